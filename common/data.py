@@ -1,0 +1,163 @@
+"""Prompt files in verl's format, checked and tokenised before any worker starts.
+
+Each row: `prompt` (a list of chat messages, dicts with `role` and `content`),
+`data_source` (names the reward function), `reward_model` (a dict with
+`ground_truth`) and optionally `extra_info` (a dict, passed to the reward).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+
+from common.dataproto import DataProto
+
+
+class DataError(ValueError):
+    pass
+
+
+def read_rows(path: str) -> list[dict]:
+    if not os.path.isfile(path):
+        raise DataError(f"data file {path} does not exist")
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+    elif path.endswith((".jsonl", ".json")):
+        with open(path) as f:
+            rows = []
+            for line_number, line in enumerate(f):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as error:
+                        raise DataError(f"{path}, line {line_number + 1}: not valid JSON ({error})") from None
+    else:
+        raise DataError(f"data file {path}: use .parquet or .jsonl")
+    if not rows:
+        raise DataError(f"data file {path} has no rows")
+    return rows
+
+
+def check_row(row, path: str, index: int) -> None:
+    where = f"{path}, row {index}"
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected an object with fields prompt, data_source, reward_model")
+    prompt = row.get("prompt")
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        raise DataError(f"{where}: field 'prompt' must be a non-empty list of chat messages, got {type(prompt).__name__}")
+    for message in prompt:
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str) or not isinstance(message.get("role"), str):
+            raise DataError(f"{where}: field 'prompt' must hold messages like {{'role': 'user', 'content': '...'}}, got {message!r}")
+    if not isinstance(row.get("data_source"), str):
+        raise DataError(f"{where}: field 'data_source' must be a string naming the reward function")
+    reward_model = row.get("reward_model")
+    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+        raise DataError(f"{where}: field 'reward_model' must be a dict with a 'ground_truth'")
+    if row.get("extra_info") is not None and not isinstance(row["extra_info"], dict):
+        raise DataError(f"{where}: field 'extra_info' must be a dict when present")
+
+
+def render_prompt(messages: list[dict], tokenizer) -> str:
+    """The chat template when the tokenizer has one, the messages' text otherwise."""
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    return "\n".join(m["content"] for m in messages)
+
+
+def load_prompts(files: list[str], tokenizer, max_prompt_length: int, truncate: bool = False) -> DataProto:
+    """Read, check and tokenise every row of `files`; raise on the first bad one."""
+    prompt_ids, data_sources, ground_truths, extra_infos, texts = [], [], [], [], []
+    for path in files:
+        for index, row in enumerate(read_rows(path)):
+            check_row(row, path, index)
+            text = render_prompt(row["prompt"], tokenizer)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) > max_prompt_length:
+                if not truncate:
+                    raise DataError(
+                        f"{path}, row {index}: the prompt has {len(ids)} tokens, more than --max-prompt-length "
+                        f"{max_prompt_length}; raise the limit or pass --truncate-prompts to keep its last tokens"
+                    )
+                ids = ids[-max_prompt_length:]
+            prompt_ids.append(ids)
+            texts.append(text)
+            data_sources.append(row["data_source"])
+            ground_truths.append(row["reward_model"]["ground_truth"])
+            extra_infos.append(row.get("extra_info") or {})
+    return DataProto.from_dict(
+        non_tensors={
+            "prompt_ids": prompt_ids,
+            "prompt_text": texts,
+            "data_source": data_sources,
+            "ground_truth": ground_truths,
+            "extra_info": extra_infos,
+        }
+    )
+
+
+def collate(rows: DataProto, pad_token_id: int) -> DataProto:
+    """Left-pad the prompts of `rows` into `prompts` and `prompt_mask`."""
+    longest = max(len(ids) for ids in rows.non_tensor["prompt_ids"])
+    prompts = torch.full((len(rows), longest), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros((len(rows), longest), dtype=torch.long)
+    for i, ids in enumerate(rows.non_tensor["prompt_ids"]):
+        prompts[i, longest - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        prompt_mask[i, longest - len(ids) :] = 1
+    return DataProto({"prompts": prompts, "prompt_mask": prompt_mask}, dict(rows.non_tensor), {})
+
+
+class PromptLoader:
+    """Batches of prompts, reshuffled every epoch, with a position that can be saved and restored."""
+
+    def __init__(self, dataset: DataProto, batch_size: int, pad_token_id: int, shuffle: bool = True, seed: int = 1, drop_last: bool = True):
+        if drop_last and batch_size > len(dataset):
+            raise DataError(f"--train-batch-size {batch_size} is larger than the dataset ({len(dataset)} prompts); lower it")
+        self.dataset, self.batch_size, self.pad_token_id = dataset, batch_size, pad_token_id
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.epoch, self.batch_index = 0, 0
+
+    def __len__(self) -> int:
+        whole, rest = divmod(len(self.dataset), self.batch_size)
+        return whole + (rest > 0 and not self.drop_last)
+
+    def _order(self) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.dataset))
+        return np.random.default_rng(self.seed + self.epoch).permutation(len(self.dataset))
+
+    def __iter__(self):
+        """One pass over the data from the current position."""
+        order = self._order()
+        while self.batch_index < len(self):
+            index = order[self.batch_index * self.batch_size : (self.batch_index + 1) * self.batch_size]
+            self.batch_index += 1
+            batch = collate(self.dataset[index], self.pad_token_id)
+            batch.non_tensor["uid"] = np.array([f"{self.epoch}-{i}" for i in index], dtype=object)
+            yield batch
+        self.epoch, self.batch_index = self.epoch + 1, 0
+
+    def forever(self):
+        while True:
+            yield from self
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batch_index": self.batch_index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.batch_index = state["epoch"], state["batch_index"]
+
+
+def check_batch_sizes(train_batch_size: int, mini_batch_size: int, n: int, num_workers: int) -> None:
+    """Every rank must get the same whole number of sequences per mini-batch."""
+    if train_batch_size % mini_batch_size:
+        raise ValueError(f"--train-batch-size {train_batch_size} is not a multiple of --mini-batch-size {mini_batch_size}; make it one")
+    if mini_batch_size * n % num_workers:
+        raise ValueError(
+            f"a mini-batch of {mini_batch_size} prompts x {n} samples = {mini_batch_size * n} sequences "
+            f"does not split evenly over --num-workers {num_workers}; change one of them"
+        )

@@ -1,0 +1,431 @@
+"""Ray worker groups and the workers that run on them.
+
+A `WorkerGroup` is N Ray actors, one per accelerator (one per CPU slot on a
+machine without one), that form one torch.distributed group. The driver calls
+every rank at once: a collective inside a method deadlocks if ranks are called
+one after another.
+
+`PolicyWorker` is the hybrid engine: the FSDP2-sharded policy that trains is
+also the model that generates rollouts and, with LoRA, the reference (adapter
+disabled). `CriticWorker` is a value model sharded the same way. Neither
+knows any algorithm: losses arrive from the script as plain functions.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from collections import defaultdict
+from contextlib import contextmanager, nullcontext
+
+import numpy as np
+import ray
+import torch
+import torch.distributed as dist
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from common.dataproto import DataProto
+
+
+def init_ray() -> None:
+    """Join the cluster named by RAY_ADDRESS (multi-node), else start a local one."""
+    if ray.is_initialized():
+        return
+    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=env)
+    else:
+        ray.init(include_dashboard=False, runtime_env=env)
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+class ResourcePool:
+    """One placement-group bundle per worker: a GPU each, or a CPU each without GPUs.
+
+    Worker groups that share a pool are colocated: rank i of each group lands
+    in bundle i, on the same accelerator.
+    """
+
+    def __init__(self, num_workers: int, use_gpu: bool, max_colocated: int = 1):
+        need = {"GPU" if use_gpu else "CPU": num_workers}
+        have = ray.cluster_resources()
+        for resource, count in need.items():
+            if have.get(resource, 0) < count:
+                raise ValueError(
+                    f"--num-workers {num_workers} needs {count} {resource}s but the Ray cluster has "
+                    f"{int(have.get(resource, 0))}; lower --num-workers or add nodes"
+                )
+        self.num_workers, self.use_gpu, self.max_colocated = num_workers, use_gpu, max_colocated
+        bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+        self.placement_group = placement_group([bundle] * num_workers, strategy="PACK")
+        ray.get(self.placement_group.ready())
+
+    def shutdown(self) -> None:
+        remove_placement_group(self.placement_group)
+
+
+class WorkerGroup:
+    """N actors of `worker_cls` in one torch.distributed group, placed on `pool`."""
+
+    def __init__(self, worker_cls, pool: ResourcePool, name: str, **setup_kwargs):
+        self.name, self.world_size = name, pool.num_workers
+        share = 1.0 / pool.max_colocated
+        actor_cls = ray.remote(worker_cls)
+        self.workers = [
+            actor_cls.options(
+                num_cpus=share,
+                num_gpus=share if pool.use_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pool.placement_group, placement_group_bundle_index=rank),
+            ).remote(rank, self.world_size)
+            for rank in range(self.world_size)
+        ]
+        master = self.workers[0].master_address.remote()
+        self.broadcast("setup", master, **setup_kwargs)
+
+    def _get(self, refs, method: str) -> list:
+        # Wait in completion order so that a dead rank is reported at once, not
+        # after its peers time out inside a collective.
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        results, pending = [None] * len(refs), list(refs)
+        while pending:
+            [ready], pending = ray.wait(pending, num_returns=1)
+            try:
+                results[rank_of[ready]] = ray.get(ready)
+            except ray.exceptions.RayActorError as error:
+                raise WorkerDied(f"{self.name} worker rank {rank_of[ready]} died during '{method}'") from error
+        return results
+
+    def broadcast(self, method: str, *args, **kwargs) -> list:
+        """Call `method` with the same arguments on every rank; one result per rank."""
+        return self._get([getattr(w, method).remote(*args, **kwargs) for w in self.workers], method)
+
+    def rank0(self, method: str, *args, **kwargs):
+        """Call every rank (the method may hold collectives), return rank 0's answer."""
+        return self.broadcast(method, *args, **kwargs)[0]
+
+    def scatter(self, method: str, data: DataProto, **kwargs):
+        """Split `data` across ranks (padding to a multiple of the world size), call all, reassemble.
+
+        DataProto results are concatenated and unpadded; others come back as a list per rank.
+        """
+        padded, pad = data.pad_to_multiple(self.world_size)
+        chunks = padded.chunk(self.world_size)
+        results = self._get([getattr(w, method).remote(c, **kwargs) for w, c in zip(self.workers, chunks)], method)
+        if isinstance(results[0], DataProto):
+            return DataProto.concat(results).unpad(pad)
+        return results
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker)
+
+
+# --------------------------------------------------------------------------- FSDP2 workers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _fsdp_modules(model):
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextmanager
+def unsharded(model):
+    """Gather every shard once for the duration, so forwards need no collective.
+
+    `generate` runs a different number of forwards on each rank (each stops at
+    its own EOS): with sharded layers those forwards would all-gather and hang.
+    """
+    modules = _fsdp_modules(model)
+    model.set_reshard_after_forward(False)
+    for module in modules:
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.reshard()
+        for module in modules[1:]:
+            module.set_reshard_after_forward(True, recurse=False)
+
+
+class FSDPWorker:
+    """What the policy and the critic share: distributed setup, FSDP2 sharding, optimisation."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+
+    def master_address(self) -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def _init_distributed(self, master: tuple[str, int], seed: int) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        addr, port = master
+        if not dist.is_initialized():
+            dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world_size)
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        torch.manual_seed(seed + self.rank)
+        np.random.seed(seed + self.rank)
+
+    def _load(self, model_cls, model_path: str, **kwargs):
+        model = model_cls.from_pretrained(model_path, dtype=torch.float32, **kwargs)
+        # RL compares log-probs of the same tokens across passes: dropout would make
+        # the first importance ratio differ from 1.
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        return model
+
+    def _shard(self, model, layer_classes: set[str], offload: bool = False):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        on_gpu = self.device.type == "cuda"
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_gpu else MixedPrecisionPolicy()
+        options = dict(mesh=self.mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload and on_gpu else OffloadPolicy())
+        for module in list(model.modules()):
+            if type(module).__name__ in layer_classes:
+                fully_shard(module, **options)
+        fully_shard(model, **options)
+        return model
+
+    def _build_optimizer(self, lr: float, weight_decay: float, warmup_steps: int) -> None:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
+        )
+
+    def _all_reduce_sum(self, values: list[float]) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor)
+        return tensor.tolist()
+
+    def _update(self, data: DataProto, loss_fn, forward, epochs: int, mini_batch_size: int, micro_batch_size: int) -> dict:
+        """Epochs x mini-batches x micro-batches; one optimiser step per mini-batch.
+
+        `loss_fn(micro_batch, outputs, minibatch_tokens=..., minibatch_seqs=...)` returns
+        (loss, metrics) as this micro-batch's share of the mini-batch value: it
+        divides by the token and sequence counts of the whole mini-batch, over
+        all ranks, which it is given. Summing shares over micro-batches and ranks
+        then gives exactly the mini-batch loss, and the same for every metric.
+        """
+        self.model.train()
+        per_rank = mini_batch_size // self.world_size
+        history = defaultdict(list)
+        for _ in range(epochs):
+            for mini in data.split(per_rank):
+                tokens, seqs = self._all_reduce_sum([mini.batch["response_mask"].sum().item(), len(mini)])
+                shares = defaultdict(float)
+                for micro in mini.split(micro_batch_size):
+                    micro = micro.to(self.device)
+                    loss, metrics = loss_fn(micro.batch, forward(micro), minibatch_tokens=tokens, minibatch_seqs=seqs)
+                    # FSDP averages gradients over ranks; the loss shares add up instead.
+                    (loss * self.world_size).backward()
+                    shares["loss"] += loss.item()
+                    for key, value in metrics.items():
+                        shares[key] += float(value)
+                grad_norm = self._clip_grad_norm()
+                if math.isfinite(grad_norm):
+                    self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                keys = sorted(shares)
+                for key, value in zip(keys, self._all_reduce_sum([shares[k] for k in keys])):
+                    history[key].append(value)
+                history["grad_norm"].append(grad_norm)
+                history["skipped_updates"].append(float(not math.isfinite(grad_norm)))
+        self.scheduler.step()
+        metrics = {key: float(np.mean(values)) for key, values in history.items()}
+        metrics["skipped_updates"] = float(np.sum(history["skipped_updates"]))
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        return metrics
+
+    def _clip_grad_norm(self) -> float:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return norm.item()
+
+    def save(self, path: str) -> None:
+        """Sharded weights, optimiser and schedule of every rank, for a later resume."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        self.model.reshard()
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict()}, checkpoint_id=path)
+
+    def load(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter gathered whole, on the CPU (a collective: call every rank)."""
+        self.model.reshard()  # FSDP2 keeps the root unsharded after a forward
+        return {name: p.full_tensor().cpu() for name, p in self.model.named_parameters()}
+
+
+def _layer_classes(model) -> set[str]:
+    return set(getattr(model, "_no_split_modules", None) or [])
+
+
+def _lora(model, rank: int, alpha: int, target_modules: str):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0, task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def _response_log_probs(logits: torch.Tensor, responses: torch.Tensor, temperature: float, with_entropy: bool):
+    logits = logits.float() / temperature
+    log_probs = torch.log_softmax(logits, dim=-1)
+    token_log_probs = log_probs.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
+    return token_log_probs, entropy
+
+
+class PolicyWorker(FSDPWorker):
+    """The hybrid engine: trainable policy, rollout engine and reference in one process."""
+
+    def setup(
+        self,
+        master,
+        model_path: str,
+        seed: int = 1,
+        lr: float = 1e-6,
+        weight_decay: float = 0.0,
+        lr_warmup_steps: int = 0,
+        max_grad_norm: float = 1.0,
+        gradient_checkpointing: bool = False,
+        lora_rank: int = 0,
+        lora_alpha: int = 16,
+        lora_target_modules: str = "all-linear",
+        use_reference: bool = True,
+        rollout_engine: str = "hf",
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self._init_distributed(master, seed)
+        self.max_grad_norm, self.lora = max_grad_norm, lora_rank > 0
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        model = self._load(AutoModelForCausalLM, model_path)
+        layer_classes = _layer_classes(model)
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.lora:
+            model = _lora(model, lora_rank, lora_alpha, lora_target_modules)
+        self.model = self._shard(model, layer_classes)
+        self._build_optimizer(lr, weight_decay, lr_warmup_steps)
+        # The reference: with LoRA it is this same model with the adapter off.
+        self.reference = None
+        if use_reference and not self.lora:
+            reference = self._load(AutoModelForCausalLM, model_path).requires_grad_(False).eval()
+            self.reference = self._shard(reference, layer_classes, offload=True)
+        if rollout_engine != "hf":
+            raise ValueError(f"rollout engine '{rollout_engine}' is not available; use 'hf'")
+        self.eos_token_ids = self._eos_token_ids(model)
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        # FSDP2 initialises lazily on the root's first forward; generate needs that done.
+        with torch.no_grad():
+            self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device))
+
+    def _eos_token_ids(self, model) -> list[int]:
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos = eos if eos is not None else self.tokenizer.eos_token_id
+        return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+    @torch.no_grad()
+    def generate(self, data: DataProto, max_response_length: int, do_sample: bool = True, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> DataProto:
+        """Sample (or greedily decode) one response per left-padded prompt.
+
+        Returns `responses` and `response_mask` (padded to `max_response_length`,
+        the mask covering tokens up to and including the first EOS), and the full
+        sequences as `input_ids`, `attention_mask` and `position_ids`.
+        """
+        from transformers import GenerationConfig
+
+        self.model.eval()
+        prompts = data.batch["prompts"].to(self.device)
+        prompt_mask = data.batch["prompt_mask"].to(self.device)
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if do_sample else dict(do_sample=False)
+        config = GenerationConfig(max_new_tokens=max_response_length, eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id, **sampling)
+        with unsharded(self.model):
+            output = self.model.generate(input_ids=prompts, attention_mask=prompt_mask, generation_config=config)
+        responses = output[:, prompts.shape[1] :]
+        responses = torch.nn.functional.pad(responses, (0, max_response_length - responses.shape[1]), value=self.pad_token_id)
+        is_eos = torch.isin(responses, torch.tensor(self.eos_token_ids, device=self.device))
+        response_mask = (is_eos.cumsum(-1) - is_eos.long()) == 0
+        responses = responses.masked_fill(~response_mask, self.pad_token_id)
+        attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=-1)
+        return DataProto.from_dict(
+            {
+                "responses": responses,
+                "response_mask": response_mask.float(),
+                "input_ids": torch.cat([prompts, responses], dim=-1),
+                "attention_mask": attention_mask,
+                "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+            }
+        ).to("cpu")
+
+    def _forward(self, model, micro: DataProto, temperature: float, with_entropy: bool):
+        responses = micro.batch["responses"]
+        output = model(
+            input_ids=micro.batch["input_ids"],
+            attention_mask=micro.batch["attention_mask"],
+            position_ids=micro.batch["position_ids"],
+            logits_to_keep=responses.shape[1] + 1,
+            use_cache=False,
+        )
+        return _response_log_probs(output.logits[:, :-1], responses, temperature, with_entropy)
+
+    @torch.no_grad()
+    def _log_probs(self, data: DataProto, model, temperature: float, micro_batch_size: int, with_entropy: bool):
+        model.eval()
+        log_probs, entropies = [], []
+        for micro in data.split(micro_batch_size):
+            log_prob, entropy = self._forward(model, micro.to(self.device), temperature, with_entropy)
+            log_probs.append(log_prob.cpu())
+            entropies.append(entropy.cpu() if with_entropy else None)
+        return torch.cat(log_probs), torch.cat(entropies) if with_entropy else None
+
+    def compute_log_prob(self, data: DataProto, temperature: float, micro_batch_size: int) -> DataProto:
+        """Per-token log-probs and entropies of the responses under the current policy."""
+        log_probs, entropy = self._log_probs(data, self.model, temperature, micro_batch_size, with_entropy=True)
+        return DataProto.from_dict({"old_log_probs": log_probs, "entropy": entropy})
+
+    def compute_ref_log_prob(self, data: DataProto, temperature: float, micro_batch_size: int) -> DataProto:
+        """Per-token log-probs under the reference: the base model (LoRA off) or the frozen copy."""
+        with self.model.disable_adapter() if self.lora else nullcontext():
+            model = self.model if self.lora else self.reference
+            log_probs, _ = self._log_probs(data, model, temperature, micro_batch_size, with_entropy=False)
+        return DataProto.from_dict({"ref_log_probs": log_probs})
+
+    def update(self, data: DataProto, loss_fn, temperature: float, epochs: int, mini_batch_size: int, micro_batch_size: int) -> dict:
+        """PPO-style update with the script's `loss_fn(micro_batch, (log_prob, entropy), ...)`."""
+
+        def forward(micro):
+            return self._forward(self.model, micro, temperature, with_entropy=True)
+
+        return self._update(data, loss_fn, forward, epochs, mini_batch_size, micro_batch_size)

@@ -1,0 +1,53 @@
+"""One Ray instance and one built tiny model, shared by every test that needs them."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "algos"))
+
+
+@pytest.fixture(scope="session")
+def demo_files(tmp_path_factory):
+    """(model path, train file, val file) of the built-in demo, built once into a temporary cache."""
+    os.environ["HYBRIDRL_CACHE"] = str(tmp_path_factory.mktemp("hybridrl_cache"))
+    from common import demo
+
+    return demo.prepare()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(demo_files):
+    return demo_files[0]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray instance; scripts run as subprocesses join it through RAY_ADDRESS."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    yield
+    ray.shutdown()
+    os.environ.pop("RAY_ADDRESS", None)
+
+
+@pytest.fixture(scope="session")
+def cpu_pool(ray_cluster):
+    """Two CPU bundles that worker groups of the tests take in turn."""
+    from common.workers import ResourcePool
+
+    pool = ResourcePool(2, use_gpu=False, max_colocated=2)
+    yield pool
+    pool.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
