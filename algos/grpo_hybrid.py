@@ -281,7 +281,6 @@ if __name__ == "__main__":
         metrics.update({f"actor/{k}": v for k, v in actor_metrics.items()})
         metrics.update({
             "train/reward_mean": scores.mean().item(),
-            "train/advantage_abs_mean": advantages.abs().mean().item(),
             "actor/entropy": ((batch.batch["entropy"] * response_mask).sum() / response_mask.sum()).item(),
             "response/length_mean": response_lengths.mean().item(),
             "response/clip_ratio": (response_lengths == args.max_response_length).float().mean().item(),

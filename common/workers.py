@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import resource
 import socket
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
@@ -253,7 +254,19 @@ class FSDPWorker:
         metrics = {key: float(np.mean(values)) for key, values in history.items()}
         metrics["skipped_updates"] = float(np.sum(history["skipped_updates"]))
         metrics["lr"] = self.scheduler.get_last_lr()[0]
+        metrics["peak_memory_gb"] = self._all_reduce_max(self.peak_memory_gb())
         return metrics
+
+    def peak_memory_gb(self) -> float:
+        """Peak accelerator memory on a GPU, peak resident memory of the process on a CPU."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated() / 2**30
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+    def _all_reduce_max(self, value: float) -> float:
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.item()
 
     def _clip_grad_norm(self) -> float:
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -291,10 +304,12 @@ def _layer_classes(model) -> set[str]:
     return set(getattr(model, "_no_split_modules", None) or [])
 
 
-def _lora(model, rank: int, alpha: int, target_modules: str):
+def _lora(model, rank: int, alpha: int, target_modules: str, task_type: str, modules_to_save: list[str] | None = None):
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0, task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0, task_type=task_type, modules_to_save=modules_to_save
+    )
     return get_peft_model(model, config)
 
 
@@ -335,7 +350,7 @@ class PolicyWorker(FSDPWorker):
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.lora:
-            model = _lora(model, lora_rank, lora_alpha, lora_target_modules)
+            model = _lora(model, lora_rank, lora_alpha, lora_target_modules, "CAUSAL_LM")
         self.model = self._shard(model, layer_classes)
         self._build_optimizer(lr, weight_decay, lr_warmup_steps)
         # The reference: with LoRA it is this same model with the adapter off.
@@ -429,3 +444,53 @@ class PolicyWorker(FSDPWorker):
             return self._forward(self.model, micro, temperature, with_entropy=True)
 
         return self._update(data, loss_fn, forward, epochs, mini_batch_size, micro_batch_size)
+
+
+class CriticWorker(FSDPWorker):
+    """A value model: the policy's architecture with a scalar head over every token."""
+
+    def setup(
+        self,
+        master,
+        model_path: str,
+        seed: int = 1,
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        lr_warmup_steps: int = 0,
+        max_grad_norm: float = 1.0,
+        gradient_checkpointing: bool = False,
+        lora_rank: int = 0,
+        lora_alpha: int = 16,
+        lora_target_modules: str = "all-linear",
+    ) -> None:
+        from transformers import AutoModelForTokenClassification
+
+        self._init_distributed(master, seed)
+        self.max_grad_norm = max_grad_norm
+        model = self._load(AutoModelForTokenClassification, model_path, num_labels=1)
+        layer_classes = _layer_classes(model)
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if lora_rank > 0:
+            # The value head is new: it trains in full beside the adapter.
+            model = _lora(model, lora_rank, lora_alpha, lora_target_modules, "TOKEN_CLS", modules_to_save=["score"])
+        self.model = self._shard(model, layer_classes)
+        self._build_optimizer(lr, weight_decay, lr_warmup_steps)
+
+    def _forward(self, micro: DataProto) -> torch.Tensor:
+        """The value of the state before each response token."""
+        output = self.model(
+            input_ids=micro.batch["input_ids"], attention_mask=micro.batch["attention_mask"], position_ids=micro.batch["position_ids"], use_cache=False
+        )
+        response_length = micro.batch["responses"].shape[1]
+        return output.logits[:, -response_length - 1 : -1, 0].float()
+
+    @torch.no_grad()
+    def compute_values(self, data: DataProto, micro_batch_size: int) -> DataProto:
+        self.model.eval()
+        values = [self._forward(micro.to(self.device)).cpu() for micro in data.split(micro_batch_size)]
+        return DataProto.from_dict({"values": torch.cat(values)})
+
+    def update(self, data: DataProto, loss_fn, epochs: int, mini_batch_size: int, micro_batch_size: int) -> dict:
+        """Regress values with the script's `loss_fn(micro_batch, values, ...)`."""
+        return self._update(data, loss_fn, self._forward, epochs, mini_batch_size, micro_batch_size)

@@ -1,0 +1,388 @@
+# PPO for language models: Ouyang et al. 2022, "InstructGPT" (https://arxiv.org/abs/2203.02155), with
+# Schulman et al. 2017 (https://arxiv.org/abs/1707.06347) and GAE (https://arxiv.org/abs/1506.02438).
+# An actor and a critic; token-level values and GAE; the KL to the reference is folded into the reward.
+import os
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal
+
+import torch
+import tyro
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    track: bool = False
+    """log metrics and config to wandb"""
+    wandb_project_name: str = "hybridrl"
+    """the wandb project"""
+    wandb_entity: str | None = None
+    """the wandb entity (team)"""
+
+    model_path: str | None = None
+    """HF model folder or hub id; leave unset for the built-in demo (a tiny model on an addition task)"""
+    train_files: list[str] | None = None
+    """training prompts, verl-style parquet or jsonl files"""
+    val_files: list[str] | None = None
+    """validation prompts, same format"""
+    reward_fn: str | None = None
+    """your reward, `path/to/file.py:function_name`; by default a built-in reward per data_source"""
+    max_prompt_length: int = 512
+    """longest prompt in tokens; a longer one is an error unless --truncate-prompts"""
+    truncate_prompts: bool = False
+    """keep the last --max-prompt-length tokens of a longer prompt instead of stopping"""
+    max_response_length: int = 1024
+    """most tokens generated per response"""
+
+    num_workers: int = 2
+    """policy processes, one per GPU (per CPU slot without GPUs)"""
+    rollout_engine: Literal["hf"] = "hf"
+    """what generates rollouts: transformers `generate` on the training policy"""
+    micro_batch_size: int = 8
+    """sequences per forward/backward on one worker (gradient accumulation beyond that)"""
+    val_batch_size: int = 256
+    """prompts per validation generate call"""
+
+    total_steps: int = 500
+    """training steps (one batch of prompts each)"""
+    train_batch_size: int = 32
+    """prompts per step"""
+    n: int = 1
+    """responses sampled per prompt"""
+    temperature: float = 1.0
+    """sampling temperature, also applied to the logits when computing log-probs"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    top_k: int = 0
+    """top-k sampling, 0 disables"""
+    mini_batch_size: int = 32
+    """prompts per optimiser step; train-batch-size / mini-batch-size steps per batch"""
+    ppo_epochs: int = 1
+    """passes over each batch"""
+    lr: float = 1e-6
+    """policy learning rate"""
+    lr_warmup_steps: int = 0
+    """linear learning-rate warm-up, in training steps"""
+    weight_decay: float = 0.01
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    gradient_checkpointing: bool = False
+    """recompute activations in backward to save memory"""
+    lora_rank: int = 0
+    """LoRA rank; 0 trains every weight. With LoRA the reference is the model with its adapter disabled"""
+    lora_alpha: int = 16
+    """LoRA scaling numerator"""
+    lora_target_modules: str = "all-linear"
+    """modules that get an adapter"""
+
+    gamma: float = 1.0
+    """discount factor over response tokens"""
+    lam: float = 1.0
+    """GAE lambda"""
+    clip_ratio_low: float = 0.2
+    """PPO clip range below 1"""
+    clip_ratio_high: float = 0.2
+    """PPO clip range above 1"""
+    clip_ratio_c: float = 3.0
+    """dual-clip bound for negative advantages"""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """how per-token losses become one number"""
+    kl_coef: float = 0.001
+    """(initial) weight of the per-token KL(policy || reference) penalty in the reward; 0 skips the reference"""
+    kl_type: Literal["kl", "abs", "mse", "low_var_kl"] = "kl"
+    """KL estimator: k1, |k1|, k2, k3"""
+    kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
+    """keep the KL coefficient fixed, or adapt it towards --kl-target (Ziegler et al. 2019)"""
+    kl_target: float = 0.1
+    """the adaptive controller's target KL per sequence"""
+    kl_horizon: int = 10000
+    """the adaptive controller's horizon, in samples"""
+    entropy_coef: float = 0.0
+    """entropy bonus"""
+
+    critic_model_path: str | None = None
+    """the critic's initial weights; by default the policy's (with a new value head)"""
+    critic_lr: float = 1e-5
+    """critic learning rate"""
+    critic_warmup: int = 0
+    """steps during which only the critic trains"""
+    cliprange_value: float = 0.5
+    """values move at most this far from the old values before the loss is clipped"""
+    critic_lora_rank: int = 0
+    """LoRA rank for the critic; 0 trains every weight"""
+
+    test_freq: int = 25
+    """validate every this many steps"""
+    val_before_train: bool = True
+    """validate once before the first step"""
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Mean 0 and unit variance (Bessel-corrected) over the valid tokens."""
+    count = mask.sum()
+    mean = (values * mask).sum() / count
+    variance = ((values - mean).square() * mask).sum() / (count - 1)
+    return (values - mean) * torch.rsqrt(variance + eps)
+
+
+def compute_gae(token_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float, lam: float):
+    """Generalised advantage estimation over response tokens; returns (advantages, returns).
+
+    A response ends at its last valid token: what follows holds no value and no
+    reward. Returns are advantages + values before the advantages are whitened.
+    """
+    values, token_rewards = values * response_mask, token_rewards * response_mask
+    advantages = torch.zeros_like(values)
+    next_advantage = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        next_value = values[:, t + 1] if t + 1 < values.shape[1] else torch.zeros_like(values[:, 0])
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = delta + gamma * lam * next_advantage
+        advantages[:, t] = next_advantage
+    returns = (advantages + values) * response_mask
+    return masked_whiten(advantages, response_mask) * response_mask, returns
+
+
+def compute_value_loss(values, old_values, returns, mask, cliprange_value, agg_mode, num_tokens=None, num_seqs=None):
+    """0.5 x the larger of the unclipped and clipped squared errors (PPO2's value clipping)."""
+    clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    unclipped_error, clipped_error = (values - returns).square(), (clipped_values - returns).square()
+    loss = 0.5 * agg_loss(torch.maximum(unclipped_error, clipped_error), mask, agg_mode, num_tokens, num_seqs)
+    clipfrac = agg_loss((clipped_error > unclipped_error).float(), mask, "token-mean", num_tokens)
+    return loss, {"vf_clipfrac": clipfrac.detach()}
+
+
+def update_kl_coef(kl_coef: float, current_kl: float, target_kl: float, n_steps: int, horizon: int) -> float:
+    """The adaptive KL controller: beta <- beta x (1 + clip(KL/target - 1, -0.2, 0.2) x n_steps / horizon)."""
+    proportional_error = min(max(current_kl / target_kl - 1, -0.2), 0.2)
+    return kl_coef * (1 + proportional_error * n_steps / horizon)
+
+
+def kl_penalised_rewards(scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    """Token rewards: -kl_coef x KL at every response token, plus the score at the last one."""
+    token_rewards = -kl_coef * kl * response_mask
+    last = response_mask.sum(-1).long().clamp(min=1) - 1
+    token_rewards[torch.arange(len(scores)), last] += scores
+    return token_rewards
+
+
+def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) (Schulman, "Approximating KL divergence")."""
+    log_ratio = log_prob - ref_log_prob
+    if kind == "kl":  # k1
+        return log_ratio
+    if kind == "abs":
+        return log_ratio.abs()
+    if kind == "mse":  # k2
+        return 0.5 * log_ratio.square()
+    if kind == "low_var_kl":  # k3: unbiased and always positive
+        ref_over_policy = (-log_ratio).clamp(-20, 20)
+        return (ref_over_policy.exp() - ref_over_policy - 1).clamp(-10, 10)
+    raise ValueError(f"unknown KL estimator '{kind}'")
+
+
+def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, num_tokens: float | None = None, num_seqs: float | None = None) -> torch.Tensor:
+    """Reduce a [batch, tokens] loss over the valid tokens.
+
+    `num_tokens` and `num_seqs` are the counts of the whole mini-batch (over
+    every micro-batch and rank); with them, the results of all micro-batches
+    add up to the mini-batch's value. They default to this batch's own counts.
+    """
+    num_tokens = mask.sum() if num_tokens is None else num_tokens
+    num_seqs = mask.shape[0] if num_seqs is None else num_seqs
+    token_sums = (loss * mask).sum(-1)
+    if mode == "token-mean":
+        return token_sums.sum() / num_tokens
+    if mode == "seq-mean-token-sum":
+        return token_sums.sum() / num_seqs
+    if mode == "seq-mean-token-mean":
+        return (token_sums / mask.sum(-1).clamp(min=1)).sum() / num_seqs
+    if mode == "seq-mean-token-sum-norm":  # Dr.GRPO: a constant length normaliser
+        return token_sums.sum() / (num_seqs * mask.shape[-1])
+    raise ValueError(f"unknown loss aggregation '{mode}'")
+
+
+def compute_policy_loss(old_log_prob, log_prob, advantages, mask, clip_low, clip_high, clip_c, agg_mode, num_tokens=None, num_seqs=None):
+    """PPO's clipped surrogate with dual-clip (Ye et al. 2020) for negative advantages."""
+    log_ratio = (log_prob - old_log_prob).clamp(-20, 20)
+    ratio = log_ratio.exp()
+    surrogate = -advantages * ratio
+    surrogate_clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    clipped_loss = torch.maximum(surrogate, surrogate_clipped)
+    dual_clipped_loss = torch.minimum(clipped_loss, -advantages * clip_c)
+    per_token = torch.where(advantages < 0, dual_clipped_loss, clipped_loss)
+    token_mean = partial(agg_loss, mask=mask, mode="token-mean", num_tokens=num_tokens)
+    metrics = {
+        "clipfrac": token_mean((surrogate_clipped > surrogate).float()).detach(),
+        "clipfrac_dual": token_mean(((clipped_loss > -advantages * clip_c) & (advantages < 0)).float()).detach(),
+        "approx_kl": token_mean(-log_ratio).detach(),
+    }
+    return agg_loss(per_token, mask, agg_mode, num_tokens, num_seqs), metrics
+
+
+def actor_loss(batch, outputs, minibatch_tokens, minibatch_seqs, args: Args):
+    """The policy's loss on one micro-batch, as its share of the mini-batch (see agg_loss)."""
+    log_prob, entropy = outputs
+    mask = batch["response_mask"]
+    aggregate = partial(agg_loss, mask=mask, mode=args.loss_agg_mode, num_tokens=minibatch_tokens, num_seqs=minibatch_seqs)
+    pg_loss, metrics = compute_policy_loss(
+        batch["old_log_probs"], log_prob, batch["advantages"], mask,
+        args.clip_ratio_low, args.clip_ratio_high, args.clip_ratio_c, args.loss_agg_mode, minibatch_tokens, minibatch_seqs,
+    )  # fmt: skip
+    loss = pg_loss - args.entropy_coef * aggregate(entropy)
+    metrics["pg_loss"] = pg_loss.detach()
+    return loss, metrics
+
+
+def critic_loss(batch, values, minibatch_tokens, minibatch_seqs, args: Args):
+    """The critic's loss on one micro-batch, as its share of the mini-batch (see agg_loss)."""
+    return compute_value_loss(
+        values, batch["values"], batch["returns"], batch["response_mask"], args.cliprange_value, args.loss_agg_mode, minibatch_tokens, minibatch_seqs
+    )
+
+
+if __name__ == "__main__":
+    import time
+
+    import ray
+    from tqdm import trange
+    from transformers import AutoTokenizer
+
+    from common import demo
+    from common.data import PromptLoader, check_batch_sizes, load_prompts
+    from common.rewards import check_data_sources, load_reward_fn, score, validate
+    from common.tracking import Tracker, timer
+    from common.workers import CriticWorker, PolicyWorker, ResourcePool, WorkerGroup, init_ray
+
+    args = tyro.cli(Args)
+    if args.model_path is None:
+        args = demo.apply(Args, lr=1e-3, max_prompt_length=8, max_response_length=4, micro_batch_size=256, total_steps=250)
+    torch.manual_seed(args.seed)
+
+    # Everything that can be wrong with the input fails here, before any worker starts.
+    check_batch_sizes(args.train_batch_size, args.mini_batch_size, args.n, args.num_workers)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    reward_fn = load_reward_fn(args.reward_fn)
+    train_data = load_prompts(args.train_files, tokenizer, args.max_prompt_length, args.truncate_prompts)
+    val_data = load_prompts(args.val_files or args.train_files, tokenizer, args.max_prompt_length, args.truncate_prompts)
+    check_data_sources(train_data, reward_fn)
+    check_data_sources(val_data, reward_fn)
+    train_loader = PromptLoader(train_data, args.train_batch_size, pad_token_id, shuffle=True, seed=args.seed)
+    val_loader = PromptLoader(val_data, args.val_batch_size, pad_token_id, shuffle=False, drop_last=False)
+    tracker = Tracker("ppo", args)
+
+    init_ray()
+    # The critic shares each accelerator with the policy: two workers per bundle.
+    pool = ResourcePool(args.num_workers, use_gpu=ray.cluster_resources().get("GPU", 0) > 0, max_colocated=2)
+    policy = WorkerGroup(
+        PolicyWorker, pool, "policy",
+        model_path=args.model_path, seed=args.seed, lr=args.lr, weight_decay=args.weight_decay,
+        lr_warmup_steps=args.lr_warmup_steps, max_grad_norm=args.max_grad_norm,
+        gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+        lora_target_modules=args.lora_target_modules, use_reference=args.kl_coef > 0, rollout_engine=args.rollout_engine,
+    )  # fmt: skip
+    critic = WorkerGroup(
+        CriticWorker, pool, "critic",
+        model_path=args.critic_model_path or args.model_path, seed=args.seed, lr=args.critic_lr, weight_decay=args.weight_decay,
+        lr_warmup_steps=args.lr_warmup_steps, max_grad_norm=args.max_grad_norm, gradient_checkpointing=args.gradient_checkpointing,
+        lora_rank=args.critic_lora_rank, lora_alpha=args.lora_alpha, lora_target_modules=args.lora_target_modules,
+    )  # fmt: skip
+    kl_coef = args.kl_coef
+    sampling = dict(max_response_length=args.max_response_length, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    log_prob_inputs = ("input_ids", "attention_mask", "position_ids", "responses")
+    log_prob_kwargs = dict(temperature=args.temperature, micro_batch_size=args.micro_batch_size)
+
+    first_val = last_val = None
+    if args.val_before_train:
+        first_val = last_val = validate(policy, val_loader, tokenizer, reward_fn, args.max_response_length)
+        tracker.log(first_val, step=0)
+    train_batches = train_loader.forever()
+    progress = trange(1, args.total_steps + 1, desc="ppo")
+    for step in progress:
+        metrics, step_start = {}, time.perf_counter()
+
+        # 1. Rollout: n samples of every prompt.
+        with timer("generate", metrics):
+            batch = next(train_batches).repeat(args.n, interleave=True)
+            batch |= policy.scatter("generate", batch.select("prompts", "prompt_mask"), **sampling)
+        response_mask = batch.batch["response_mask"]
+
+        # 2. Outcome reward: one score per response.
+        with timer("reward", metrics):
+            scores, reward_metrics = score(batch, tokenizer, reward_fn)
+
+        # 3. Log-probs of the sampled tokens under the policy that sampled them and under the reference; values.
+        with timer("old_log_prob", metrics):
+            batch |= policy.scatter("compute_log_prob", batch.select(*log_prob_inputs), **log_prob_kwargs)
+        if args.kl_coef > 0:
+            with timer("ref_log_prob", metrics):
+                batch |= policy.scatter("compute_ref_log_prob", batch.select(*log_prob_inputs), **log_prob_kwargs)
+        with timer("values", metrics):
+            batch |= critic.scatter("compute_values", batch.select(*log_prob_inputs), micro_batch_size=args.micro_batch_size)
+
+        # 4. Token rewards (score at the end, KL penalty at every token), then GAE against the critic's values.
+        with timer("advantages", metrics):
+            kl = kl_penalty(batch.batch["old_log_probs"], batch.batch["ref_log_probs"], args.kl_type) if args.kl_coef > 0 else torch.zeros_like(response_mask)
+            token_rewards = kl_penalised_rewards(scores, kl, response_mask, kl_coef)
+            advantages, returns = compute_gae(token_rewards, batch.batch["values"], response_mask, args.gamma, args.lam)
+            batch.batch["advantages"], batch.batch["returns"] = advantages, returns
+            sequence_kl = ((kl * response_mask).sum(-1)).mean().item()
+            metrics["actor/kl_coef"], metrics["actor/kl"] = kl_coef, sequence_kl
+            if args.kl_ctrl == "adaptive":
+                kl_coef = update_kl_coef(kl_coef, sequence_kl, args.kl_target, len(batch), args.kl_horizon)
+
+        # 5. Critic update (clipped value loss), then the policy's (clipped surrogate) once the critic has warmed up.
+        with timer("update_critic", metrics):
+            critic_metrics = critic.scatter(
+                "update", batch.select(*log_prob_inputs, "response_mask", "values", "returns"), loss_fn=partial(critic_loss, args=args),
+                epochs=args.ppo_epochs, mini_batch_size=args.mini_batch_size * args.n, micro_batch_size=args.micro_batch_size,
+            )[0]  # fmt: skip
+        actor_metrics = {}
+        if step > args.critic_warmup:
+            with timer("update", metrics):
+                update_inputs = batch.select(*log_prob_inputs, "response_mask", "old_log_probs", "advantages")
+                actor_metrics = policy.scatter(
+                    "update", update_inputs, loss_fn=partial(actor_loss, args=args), temperature=args.temperature,
+                    epochs=args.ppo_epochs, mini_batch_size=args.mini_batch_size * args.n, micro_batch_size=args.micro_batch_size,
+                )[0]  # fmt: skip
+
+        step_time = time.perf_counter() - step_start
+        response_lengths = response_mask.sum(-1)
+        metrics.update(reward_metrics)
+        metrics.update({f"actor/{k}": v for k, v in actor_metrics.items()})
+        valid_values, valid_returns = batch.batch["values"][response_mask.bool()], returns[response_mask.bool()]
+        metrics.update({
+            "critic/vf_loss": critic_metrics["loss"],
+            "critic/vf_clipfrac": critic_metrics["vf_clipfrac"],
+            "critic/grad_norm": critic_metrics["grad_norm"],
+            "critic/values_mean": valid_values.mean().item(),
+            "critic/explained_variance": (1 - (valid_returns - valid_values).var() / (valid_returns.var() + 1e-8)).item(),
+        })  # fmt: skip
+        metrics.update({
+            "train/reward_mean": scores.mean().item(),
+            "actor/entropy": ((batch.batch["entropy"] * response_mask).sum() / response_mask.sum()).item(),
+            "response/length_mean": response_lengths.mean().item(),
+            "response/clip_ratio": (response_lengths == args.max_response_length).float().mean().item(),
+            "timing/step": step_time,
+            "perf/tokens_per_s": batch.batch["attention_mask"].sum().item() / step_time,
+        })  # fmt: skip
+        if step % args.test_freq == 0 or step == args.total_steps:
+            with timer("validate", metrics):
+                last_val = validate(policy, val_loader, tokenizer, reward_fn, args.max_response_length)
+            metrics.update(last_val)
+        tracker.log(metrics, step=step)
+        progress.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}", step_s=f"{step_time:.2f}")
+
+    if first_val is not None:
+        print(f"held-out accuracy: {first_val['val/accuracy']:.1%} before training")
+    print(f"held-out accuracy: {last_val['val/accuracy']:.1%} after {args.total_steps} steps; metrics in {tracker.run_dir}")
+    tracker.close()
+    policy.shutdown()
+    critic.shutdown()
+    pool.shutdown()

@@ -1,0 +1,68 @@
+"""The algorithm scripts run for real: two steps, two workers, as a user would start them."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL_RUN = ["--total-steps", "2", "--train-batch-size", "8", "--mini-batch-size", "4", "--n", "4", "--test-freq", "1", "--num-workers", "2"]
+SHARED_METRICS = [
+    "train/reward_mean", "val/accuracy", "val/accuracy/addition", "actor/pg_loss", "actor/entropy", "actor/clipfrac",
+    "actor/grad_norm", "actor/lr", "response/length_mean", "response/clip_ratio", "timing/generate", "timing/update",
+    "timing/step", "perf/tokens_per_s", "reward/errors",
+]  # fmt: skip
+
+
+def run_script(script, *flags, cwd, env=None):
+    return subprocess.run(
+        [sys.executable, str(ROOT / "algos" / script), *flags], cwd=cwd, env={**os.environ, **(env or {})},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+def metrics_of(cwd):
+    [run_dir] = (Path(cwd) / "runs").iterdir()
+    return run_dir, [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_grpo_two_steps(ray_cluster, demo_files, tmp_path, lora):
+    flags = ["--lora-rank", "8", "--lora-alpha", "16", "--lr", "1e-2"] if lora else []
+    result = run_script("grpo_hybrid.py", *SMALL_RUN, *flags, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir, rows = metrics_of(tmp_path)
+    assert run_dir.name.startswith("grpo__grpo_hybrid__1__")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for name in SHARED_METRICS + ["actor/kl"]:
+        assert name in rows[2], name
+    assert rows[2]["actor/grad_norm"] > 0
+    assert "held-out accuracy" in result.stdout
+    assert json.loads((run_dir / "config.json").read_text())["lora_rank"] == (8 if lora else 0)
+
+
+def test_grpo_tracks_to_wandb_offline(ray_cluster, demo_files, tmp_path):
+    result = run_script("grpo_hybrid.py", *SMALL_RUN, "--total-steps", "1", "--track", cwd=tmp_path, env={"WANDB_MODE": "offline"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir, _ = metrics_of(tmp_path)
+    [offline_run] = (run_dir / "wandb").glob("offline-run-*")
+    assert any(offline_run.glob("*.wandb"))
+
+
+def test_malformed_data_stops_before_any_worker(demo_files, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1="}], "data_source": "addition"}) + "\n")
+    result = run_script("grpo_hybrid.py", "--model-path", demo_files[0], "--train-files", str(bad), cwd=tmp_path)
+    assert result.returncode != 0
+    assert "bad.jsonl, row 0: field 'reward_model'" in result.stderr
+    assert "PolicyWorker" not in result.stderr
+
+
+def test_indivisible_batch_stops_before_any_worker(demo_files, tmp_path):
+    result = run_script("grpo_hybrid.py", "--num-workers", "3", "--train-batch-size", "4", "--mini-batch-size", "4", "--n", "2", cwd=tmp_path)
+    assert result.returncode != 0
+    assert "does not split evenly over --num-workers 3" in result.stderr
+    assert "PolicyWorker" not in result.stderr
