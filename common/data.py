@@ -116,7 +116,7 @@ class PromptLoader:
 
     def __init__(self, dataset: DataProto, batch_size: int, pad_token_id: int, shuffle: bool = True, seed: int = 1, drop_last: bool = True):
         if drop_last and batch_size > len(dataset):
-            raise DataError(f"--train-batch-size {batch_size} is larger than the dataset ({len(dataset)} prompts); lower it")
+            raise DataError(f"a batch of {batch_size} prompts is larger than the dataset ({len(dataset)} prompts); lower the batch size")
         self.dataset, self.batch_size, self.pad_token_id = dataset, batch_size, pad_token_id
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.epoch, self.batch_index = 0, 0

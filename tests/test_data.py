@@ -97,7 +97,7 @@ def test_loader_epochs_shuffle_and_resume(tokenizer, tmp_path):
     resumed.load_state_dict(state)
     resumed_stream = resumed.forever()
     assert [list(next(resumed_stream).non_tensor["ground_truth"]) for _ in range(4)] == following
-    with pytest.raises(DataError, match="larger than the dataset"):
+    with pytest.raises(DataError, match="batch of 11 prompts is larger than the dataset"):
         PromptLoader(data, 11, tokenizer.pad_token_id)
 
 

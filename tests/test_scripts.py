@@ -29,19 +29,36 @@ def metrics_of(cwd):
     return run_dir, [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_grpo_two_steps(ray_cluster, demo_files, tmp_path, lora):
+ALGORITHM_METRICS = {
+    "grpo": ["actor/kl"],
+    "ppo": ["actor/kl", "actor/kl_coef", "critic/vf_loss", "critic/vf_clipfrac", "critic/values_mean", "critic/explained_variance"],
+    "dapo": ["train/num_gen_batches", "train/filtered_prompt_ratio", "reward/overlong_penalty_mean", "response/overlong_ratio"],
+}
+
+
+@pytest.mark.parametrize(
+    "algo, lora", [("grpo", False), ("grpo", True), ("ppo", False), ("ppo", True), ("dapo", False)], ids=["grpo", "grpo-lora", "ppo", "ppo-lora", "dapo"]
+)
+def test_two_steps_with_two_workers(ray_cluster, demo_files, tmp_path, algo, lora):
     flags = ["--lora-rank", "8", "--lora-alpha", "16", "--lr", "1e-2"] if lora else []
-    result = run_script("grpo_hybrid.py", *SMALL_RUN, *flags, cwd=tmp_path)
+    result = run_script(f"{algo}_hybrid.py", *SMALL_RUN, *flags, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir, rows = metrics_of(tmp_path)
-    assert run_dir.name.startswith("grpo__grpo_hybrid__1__")
+    assert run_dir.name.startswith(f"{algo}__{algo}_hybrid__1__")
     assert [r["step"] for r in rows] == [0, 1, 2]
-    for name in SHARED_METRICS + ["actor/kl"]:
+    for name in SHARED_METRICS + ALGORITHM_METRICS[algo]:
         assert name in rows[2], name
     assert rows[2]["actor/grad_norm"] > 0
     assert "held-out accuracy" in result.stdout
     assert json.loads((run_dir / "config.json").read_text())["lora_rank"] == (8 if lora else 0)
+
+
+def test_dapo_dynamic_sampling_bound_is_a_clear_error(ray_cluster, demo_files, tmp_path):
+    # near-greedy sampling makes every group unanimous, so no prompt survives the filter
+    result = run_script("dapo_hybrid.py", *SMALL_RUN, "--temperature", "1e-4", "--max-gen-batches", "2", "--no-val-before-train", cwd=tmp_path)
+    assert result.returncode != 0
+    assert "dynamic sampling kept 0 of 8 prompts after 2 rounds" in result.stderr
+    assert "Raise --max-gen-batches" in result.stderr
 
 
 def test_grpo_tracks_to_wandb_offline(ray_cluster, demo_files, tmp_path):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+import dapo_hybrid
 import grpo_hybrid
 from common.data import collate, load_prompts
 from common.dataproto import DataProto
@@ -14,6 +15,7 @@ from common.workers import PolicyWorker, WorkerGroup
 
 # The loss travels to the workers by value, as it does from a script run as __main__.
 cloudpickle.register_pickle_by_value(grpo_hybrid)
+cloudpickle.register_pickle_by_value(dapo_hybrid)
 
 LOG_PROB_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
 
@@ -78,17 +80,17 @@ def test_dispatch_reassembles_log_probs_exactly(policy, prompts, tiny_model):
 
 
 def test_update_matches_one_process_for_any_micro_batch(policy, prompts, tiny_model, tmp_path):
-    """Gradient accumulation over micro-batches and 2 ranks gives the whole mini-batch's gradient."""
-    args = grpo_hybrid.Args(kl_loss_coef=0.0)
+    """Gradient accumulation over micro-batches and 2 ranks gives the whole mini-batch's token-mean gradient."""
     batch = rollout(policy, prompts[:4], n=2)  # 8 sequences
     batch |= policy.scatter("compute_log_prob", batch.select(*LOG_PROB_INPUTS), temperature=1.0, micro_batch_size=8)
     advantages = torch.tensor([1.0, 0.2, 0.5, -0.7, 2.0, 0.1, 0.3, -1.3])
     batch.batch["advantages"] = advantages[:, None] * batch.batch["response_mask"]
     inputs = batch.select(*LOG_PROB_INPUTS, "response_mask", "old_log_probs", "advantages")
-    loss_fn = partial(grpo_hybrid.actor_loss, args=args)
     model = local_model(tiny_model)
 
-    for attempt, micro_batch_size in enumerate([4, 2, 1]):
+    cases = [(script, micro_batch_size) for script in (grpo_hybrid, dapo_hybrid) for micro_batch_size in (4, 2, 1)]
+    for attempt, (script, micro_batch_size) in enumerate(cases):
+        loss_fn = partial(script.actor_loss, args=script.Args(kl_loss_coef=0.0))
         before = policy.rank0("full_state_dict")
         model.load_state_dict(before, strict=False)
         model.zero_grad()

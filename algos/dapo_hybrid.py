@@ -1,0 +1,353 @@
+# DAPO: Yu et al. 2025 (https://arxiv.org/abs/2503.14476), a fork of grpo_hybrid.py with its four techniques:
+# clip-higher, dynamic sampling, a token-level policy loss, and overlong reward shaping; no KL term.
+import os
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    track: bool = False
+    """log metrics and config to wandb"""
+    wandb_project_name: str = "hybridrl"
+    """the wandb project"""
+    wandb_entity: str | None = None
+    """the wandb entity (team)"""
+
+    model_path: str | None = None
+    """HF model folder or hub id; leave unset for the built-in demo (a tiny model on an addition task)"""
+    train_files: list[str] | None = None
+    """training prompts, verl-style parquet or jsonl files"""
+    val_files: list[str] | None = None
+    """validation prompts, same format"""
+    reward_fn: str | None = None
+    """your reward, `path/to/file.py:function_name`; by default a built-in reward per data_source"""
+    max_prompt_length: int = 512
+    """longest prompt in tokens; a longer one is an error unless --truncate-prompts"""
+    truncate_prompts: bool = False
+    """keep the last --max-prompt-length tokens of a longer prompt instead of stopping"""
+    max_response_length: int = 1024
+    """most tokens generated per response"""
+
+    num_workers: int = 2
+    """policy processes, one per GPU (per CPU slot without GPUs)"""
+    rollout_engine: Literal["hf"] = "hf"
+    """what generates rollouts: transformers `generate` on the training policy"""
+    micro_batch_size: int = 8
+    """sequences per forward/backward on one worker (gradient accumulation beyond that)"""
+    val_batch_size: int = 256
+    """prompts per validation generate call"""
+
+    total_steps: int = 500
+    """training steps (one batch of prompts each)"""
+    train_batch_size: int = 32
+    """prompts per step"""
+    n: int = 8
+    """responses sampled per prompt (the group)"""
+    temperature: float = 1.0
+    """sampling temperature, also applied to the logits when computing log-probs"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    top_k: int = 0
+    """top-k sampling, 0 disables"""
+    mini_batch_size: int = 32
+    """prompts per optimiser step; train-batch-size / mini-batch-size steps per batch"""
+    ppo_epochs: int = 1
+    """passes over each batch"""
+    lr: float = 1e-6
+    """policy learning rate"""
+    lr_warmup_steps: int = 0
+    """linear learning-rate warm-up, in training steps"""
+    weight_decay: float = 0.01
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    gradient_checkpointing: bool = False
+    """recompute activations in backward to save memory"""
+    lora_rank: int = 0
+    """LoRA rank; 0 trains every weight. With LoRA the reference is the model with its adapter disabled"""
+    lora_alpha: int = 16
+    """LoRA scaling numerator"""
+    lora_target_modules: str = "all-linear"
+    """modules that get an adapter"""
+
+    norm_adv_by_std: bool = True
+    """divide advantages by the group's std (False: Dr.GRPO)"""
+    clip_ratio_low: float = 0.2
+    """PPO clip range below 1"""
+    clip_ratio_high: float = 0.28
+    """PPO clip range above 1 (clip-higher: wider than below, so unlikely tokens can grow)"""
+    clip_ratio_c: float = 10.0
+    """dual-clip bound for negative advantages"""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """how per-token losses become one number"""
+    kl_loss_coef: float = 0.0
+    """weight of KL(policy || reference) in the loss; 0 skips the reference"""
+    kl_loss_type: Literal["kl", "abs", "mse", "low_var_kl"] = "low_var_kl"
+    """KL estimator: k1, |k1|, k2, k3"""
+    entropy_coef: float = 0.0
+    """entropy bonus"""
+    filter_groups: bool = True
+    """dynamic sampling: drop prompts whose samples all got the same --filter-metric, sample more until the batch is full"""
+    filter_metric: Literal["seq_reward", "score"] = "seq_reward"
+    """what must vary within a group: the final sequence reward (score + overlong penalty) or the raw score"""
+    gen_batch_size: int | None = None
+    """prompts generated per round of dynamic sampling; default 3 x --train-batch-size"""
+    max_gen_batches: int = 10
+    """most rounds of dynamic sampling per step (0: no bound)"""
+    overlong_shaping: bool = True
+    """penalise responses that run into the last --overlong-buffer-length tokens of the limit"""
+    overlong_buffer_length: int | None = None
+    """length of that buffer; default a quarter of --max-response-length"""
+    overlong_penalty_factor: float = 1.0
+    """penalty at the limit itself"""
+
+    test_freq: int = 25
+    """validate every this many steps"""
+    val_before_train: bool = True
+    """validate once before the first step"""
+
+
+def compute_grpo_advantages(scores: torch.Tensor, group_ids: np.ndarray, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """(score - group mean) / (group std + eps), groups being the samples of one prompt.
+
+    The std uses Bessel's correction; a group of one has mean 0 and std 1.
+    """
+    advantages = torch.empty_like(scores)
+    for group in np.unique(group_ids):
+        members = torch.as_tensor(np.flatnonzero(group_ids == group))
+        group_scores = scores[members]
+        if len(members) == 1:
+            mean, std = torch.tensor(0.0), torch.tensor(1.0)
+        else:
+            mean, std = group_scores.mean(), group_scores.std()
+        advantages[members] = (group_scores - mean) / (std + eps) if norm_by_std else group_scores - mean
+    return advantages
+
+
+def filter_groups(values: torch.Tensor, group_ids: np.ndarray) -> np.ndarray:
+    """Rows of the groups whose samples disagree (std > 0); a group of one sample is kept."""
+    keep = np.zeros(len(group_ids), dtype=bool)
+    for group in np.unique(group_ids):
+        members = np.flatnonzero(group_ids == group)
+        keep[members] = len(members) == 1 or bool(values[torch.as_tensor(members)].std() > 0)
+    return keep
+
+
+def overlong_penalty(response_lengths: torch.Tensor, max_response_length: int, buffer_length: int, penalty_factor: float) -> torch.Tensor:
+    """0 up to max - buffer tokens, then falling linearly to -penalty_factor at the maximum."""
+    excess = response_lengths - (max_response_length - buffer_length)
+    return (-excess / buffer_length * penalty_factor).clamp(max=0)
+
+
+def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) (Schulman, "Approximating KL divergence")."""
+    log_ratio = log_prob - ref_log_prob
+    if kind == "kl":  # k1
+        return log_ratio
+    if kind == "abs":
+        return log_ratio.abs()
+    if kind == "mse":  # k2
+        return 0.5 * log_ratio.square()
+    if kind == "low_var_kl":  # k3: unbiased and always positive
+        ref_over_policy = (-log_ratio).clamp(-20, 20)
+        return (ref_over_policy.exp() - ref_over_policy - 1).clamp(-10, 10)
+    raise ValueError(f"unknown KL estimator '{kind}'")
+
+
+def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, num_tokens: float | None = None, num_seqs: float | None = None) -> torch.Tensor:
+    """Reduce a [batch, tokens] loss over the valid tokens.
+
+    `num_tokens` and `num_seqs` are the counts of the whole mini-batch (over
+    every micro-batch and rank); with them, the results of all micro-batches
+    add up to the mini-batch's value. They default to this batch's own counts.
+    """
+    num_tokens = mask.sum() if num_tokens is None else num_tokens
+    num_seqs = mask.shape[0] if num_seqs is None else num_seqs
+    token_sums = (loss * mask).sum(-1)
+    if mode == "token-mean":
+        return token_sums.sum() / num_tokens
+    if mode == "seq-mean-token-sum":
+        return token_sums.sum() / num_seqs
+    if mode == "seq-mean-token-mean":
+        return (token_sums / mask.sum(-1).clamp(min=1)).sum() / num_seqs
+    if mode == "seq-mean-token-sum-norm":  # Dr.GRPO: a constant length normaliser
+        return token_sums.sum() / (num_seqs * mask.shape[-1])
+    raise ValueError(f"unknown loss aggregation '{mode}'")
+
+
+def compute_policy_loss(old_log_prob, log_prob, advantages, mask, clip_low, clip_high, clip_c, agg_mode, num_tokens=None, num_seqs=None):
+    """PPO's clipped surrogate with dual-clip (Ye et al. 2020) for negative advantages."""
+    log_ratio = (log_prob - old_log_prob).clamp(-20, 20)
+    ratio = log_ratio.exp()
+    surrogate = -advantages * ratio
+    surrogate_clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    clipped_loss = torch.maximum(surrogate, surrogate_clipped)
+    dual_clipped_loss = torch.minimum(clipped_loss, -advantages * clip_c)
+    per_token = torch.where(advantages < 0, dual_clipped_loss, clipped_loss)
+    token_mean = partial(agg_loss, mask=mask, mode="token-mean", num_tokens=num_tokens)
+    metrics = {
+        "clipfrac": token_mean((surrogate_clipped > surrogate).float()).detach(),
+        "clipfrac_dual": token_mean(((clipped_loss > -advantages * clip_c) & (advantages < 0)).float()).detach(),
+        "approx_kl": token_mean(-log_ratio).detach(),
+    }
+    return agg_loss(per_token, mask, agg_mode, num_tokens, num_seqs), metrics
+
+
+def actor_loss(batch, outputs, minibatch_tokens, minibatch_seqs, args: Args):
+    """The policy's loss on one micro-batch, as its share of the mini-batch (see agg_loss)."""
+    log_prob, entropy = outputs
+    mask = batch["response_mask"]
+    aggregate = partial(agg_loss, mask=mask, mode=args.loss_agg_mode, num_tokens=minibatch_tokens, num_seqs=minibatch_seqs)
+    pg_loss, metrics = compute_policy_loss(
+        batch["old_log_probs"], log_prob, batch["advantages"], mask,
+        args.clip_ratio_low, args.clip_ratio_high, args.clip_ratio_c, args.loss_agg_mode, minibatch_tokens, minibatch_seqs,
+    )  # fmt: skip
+    loss = pg_loss - args.entropy_coef * aggregate(entropy)
+    metrics["pg_loss"] = pg_loss.detach()
+    if args.kl_loss_coef > 0:
+        kl = aggregate(kl_penalty(log_prob, batch["ref_log_probs"], args.kl_loss_type))
+        loss = loss + args.kl_loss_coef * kl
+        metrics["kl"] = kl.detach()
+    return loss, metrics
+
+
+if __name__ == "__main__":
+    import time
+
+    import ray
+    from tqdm import trange
+    from transformers import AutoTokenizer
+
+    from common import demo
+    from common.data import PromptLoader, check_batch_sizes, load_prompts
+    from common.dataproto import DataProto
+    from common.rewards import check_data_sources, load_reward_fn, score, validate
+    from common.tracking import Tracker, timer
+    from common.workers import PolicyWorker, ResourcePool, WorkerGroup, init_ray
+
+    args = tyro.cli(Args)
+    if args.model_path is None:
+        args = demo.apply(Args, lr=5e-4, max_prompt_length=8, max_response_length=4, micro_batch_size=256, train_batch_size=32, mini_batch_size=8, total_steps=200, gen_batch_size=96)
+    torch.manual_seed(args.seed)
+
+    # Everything that can be wrong with the input fails here, before any worker starts.
+    check_batch_sizes(args.train_batch_size, args.mini_batch_size, args.n, args.num_workers)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    reward_fn = load_reward_fn(args.reward_fn)
+    train_data = load_prompts(args.train_files, tokenizer, args.max_prompt_length, args.truncate_prompts)
+    val_data = load_prompts(args.val_files or args.train_files, tokenizer, args.max_prompt_length, args.truncate_prompts)
+    check_data_sources(train_data, reward_fn)
+    check_data_sources(val_data, reward_fn)
+    gen_batch_size = args.gen_batch_size or 3 * args.train_batch_size
+    train_loader = PromptLoader(train_data, gen_batch_size if args.filter_groups else args.train_batch_size, pad_token_id, shuffle=True, seed=args.seed)
+    buffer_length = args.overlong_buffer_length or args.max_response_length // 4
+    val_loader = PromptLoader(val_data, args.val_batch_size, pad_token_id, shuffle=False, drop_last=False)
+    tracker = Tracker("dapo", args)
+
+    init_ray()
+    pool = ResourcePool(args.num_workers, use_gpu=ray.cluster_resources().get("GPU", 0) > 0)
+    policy = WorkerGroup(
+        PolicyWorker, pool, "policy",
+        model_path=args.model_path, seed=args.seed, lr=args.lr, weight_decay=args.weight_decay,
+        lr_warmup_steps=args.lr_warmup_steps, max_grad_norm=args.max_grad_norm,
+        gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+        lora_target_modules=args.lora_target_modules, use_reference=args.kl_loss_coef > 0, rollout_engine=args.rollout_engine,
+    )  # fmt: skip
+    sampling = dict(max_response_length=args.max_response_length, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    log_prob_inputs = ("input_ids", "attention_mask", "position_ids", "responses")
+    log_prob_kwargs = dict(temperature=args.temperature, micro_batch_size=args.micro_batch_size)
+
+    first_val = last_val = None
+    if args.val_before_train:
+        first_val = last_val = validate(policy, val_loader, tokenizer, reward_fn, args.max_response_length)
+        tracker.log(first_val, step=0)
+    train_batches = train_loader.forever()
+    progress = trange(1, args.total_steps + 1, desc="dapo")
+    for step in progress:
+        metrics, step_start = {}, time.perf_counter()
+
+        # 1-2. Rollout and reward, round after round: dynamic sampling keeps only the prompts whose samples
+        # disagree (the others have zero advantage), until --train-batch-size prompts are kept.
+        kept, reward_metrics, generated_prompts = [], {"reward/errors": 0}, 0
+        while sum(map(len, kept)) < args.train_batch_size * args.n:
+            if args.max_gen_batches and len(kept) == args.max_gen_batches:
+                raise RuntimeError(
+                    f"dynamic sampling kept {sum(map(len, kept)) // args.n} of {args.train_batch_size} prompts after "
+                    f"{len(kept)} rounds: nearly every prompt is always solved or never solved, so the data may be too "
+                    "easy or too hard for this model. Raise --max-gen-batches (0: no bound) or --gen-batch-size"
+                )
+            with timer("generate", metrics):
+                round_batch = next(train_batches).repeat(args.n, interleave=True)
+                round_batch |= policy.scatter("generate", round_batch.select("prompts", "prompt_mask"), **sampling)
+            with timer("reward", metrics):
+                round_scores, round_metrics = score(round_batch, tokenizer, reward_fn)
+                penalty = overlong_penalty(round_batch.batch["response_mask"].sum(-1), args.max_response_length, buffer_length, args.overlong_penalty_factor)
+                round_batch.batch["score"] = round_scores
+                round_batch.batch["seq_reward"] = round_scores + (penalty if args.overlong_shaping else 0)
+                reward_metrics["reward/errors"] += round_metrics["reward/errors"]
+            generated_prompts += len(round_batch) // args.n
+            keep = filter_groups(round_batch.batch[args.filter_metric], round_batch.non_tensor["uid"]) if args.filter_groups else slice(None)
+            kept.append(round_batch[keep])
+        batch = DataProto.concat(kept)[: args.train_batch_size * args.n]
+        scores, response_mask = batch.batch["score"], batch.batch["response_mask"]
+        response_lengths = response_mask.sum(-1)
+        metrics["train/num_gen_batches"] = len(kept)
+        metrics["train/filtered_prompt_ratio"] = 1 - sum(map(len, kept)) / args.n / generated_prompts
+        metrics["reward/overlong_penalty_mean"] = (batch.batch["seq_reward"] - scores).mean().item()
+        metrics["response/overlong_ratio"] = (response_lengths > args.max_response_length - buffer_length).float().mean().item()
+
+        # 3. Log-probs of the sampled tokens under the policy that sampled them, and under the reference.
+        with timer("old_log_prob", metrics):
+            batch |= policy.scatter("compute_log_prob", batch.select(*log_prob_inputs), **log_prob_kwargs)
+        if args.kl_loss_coef > 0:
+            with timer("ref_log_prob", metrics):
+                batch |= policy.scatter("compute_ref_log_prob", batch.select(*log_prob_inputs), **log_prob_kwargs)
+
+        # 4. GRPO's advantage: the response's score relative to its group, the same for each of its tokens.
+        with timer("advantages", metrics):
+            advantages = compute_grpo_advantages(batch.batch["seq_reward"], batch.non_tensor["uid"], args.norm_adv_by_std)
+            batch.batch["advantages"] = advantages[:, None] * response_mask
+
+        # 5. Policy update: clipped surrogate + KL loss, over epochs x mini-batches x micro-batches.
+        with timer("update", metrics):
+            update_inputs = batch.select(*log_prob_inputs, "response_mask", "old_log_probs", "advantages", *(["ref_log_probs"] if args.kl_loss_coef > 0 else []))
+            actor_metrics = policy.scatter(
+                "update", update_inputs, loss_fn=partial(actor_loss, args=args), temperature=args.temperature,
+                epochs=args.ppo_epochs, mini_batch_size=args.mini_batch_size * args.n, micro_batch_size=args.micro_batch_size,
+            )[0]  # fmt: skip
+
+        step_time = time.perf_counter() - step_start
+        metrics.update(reward_metrics)
+        metrics.update({f"actor/{k}": v for k, v in actor_metrics.items()})
+        metrics.update({
+            "train/reward_mean": scores.mean().item(),
+            "actor/entropy": ((batch.batch["entropy"] * response_mask).sum() / response_mask.sum()).item(),
+            "response/length_mean": response_lengths.mean().item(),
+            "response/clip_ratio": (response_lengths == args.max_response_length).float().mean().item(),
+            "timing/step": step_time,
+            "perf/tokens_per_s": batch.batch["attention_mask"].sum().item() / step_time,
+        })  # fmt: skip
+        if step % args.test_freq == 0 or step == args.total_steps:
+            with timer("validate", metrics):
+                last_val = validate(policy, val_loader, tokenizer, reward_fn, args.max_response_length)
+            metrics.update(last_val)
+        tracker.log(metrics, step=step)
+        progress.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}", step_s=f"{step_time:.2f}")
+
+    if first_val is not None:
+        print(f"held-out accuracy: {first_val['val/accuracy']:.1%} before training")
+    print(f"held-out accuracy: {last_val['val/accuracy']:.1%} after {args.total_steps} steps; metrics in {tracker.run_dir}")
+    tracker.close()
+    policy.shutdown()
+    pool.shutdown()
