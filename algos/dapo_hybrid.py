@@ -46,6 +46,10 @@ class Args:
     """sequences per forward/backward on one worker (gradient accumulation beyond that)"""
     val_batch_size: int = 256
     """prompts per validation generate call"""
+    val_n: int = 1
+    """responses per validation prompt: 1 decodes greedily; more samples them for mean@n and pass@n"""
+    reward_timeout: float = 10.0
+    """seconds a reward function may take for one response before it scores 0 (0: no limit)"""
 
     total_steps: int = 500
     """training steps (one batch of prompts each)"""
@@ -115,6 +119,18 @@ class Args:
     """validate every this many steps"""
     val_before_train: bool = True
     """validate once before the first step"""
+    save_freq: int = 100
+    """save a checkpoint every this many steps, and always at the end"""
+    keep_last: int = 2
+    """checkpoints to keep; older ones are deleted (0 keeps all)"""
+    resume: str | None = None
+    """`auto`: continue the newest complete checkpoint of this algorithm, exp-name and seed; or a checkpoints/step_<N> folder"""
+    force_resume: bool = False
+    """resume even from a checkpoint made with other settings"""
+    export_adapter_only: bool = False
+    """with LoRA, export only the adapter instead of the merged model"""
+    max_bad_steps: int = 3
+    """stop after this many consecutive steps whose update was skipped for a NaN or inf gradient"""
 
 
 def compute_grpo_advantages(scores: torch.Tensor, group_ids: np.ndarray, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -229,6 +245,7 @@ if __name__ == "__main__":
     from transformers import AutoTokenizer
 
     from common import demo
+    from common.checkpoint import StopRequest, check_config, find_checkpoint, load_checkpoint, save_checkpoint
     from common.data import PromptLoader, check_batch_sizes, load_prompts
     from common.dataproto import DataProto
     from common.rewards import check_data_sources, load_reward_fn, score, validate
@@ -237,7 +254,7 @@ if __name__ == "__main__":
 
     args = tyro.cli(Args)
     if args.model_path is None:
-        args = demo.apply(Args, lr=5e-4, max_prompt_length=8, max_response_length=4, micro_batch_size=256, train_batch_size=32, mini_batch_size=8, total_steps=200, gen_batch_size=96)
+        args = demo.apply(Args, lr=5e-4, max_prompt_length=8, max_response_length=4, micro_batch_size=256, train_batch_size=16, mini_batch_size=4, total_steps=300, gen_batch_size=96)
     torch.manual_seed(args.seed)
 
     # Everything that can be wrong with the input fails here, before any worker starts.
@@ -253,7 +270,10 @@ if __name__ == "__main__":
     train_loader = PromptLoader(train_data, gen_batch_size if args.filter_groups else args.train_batch_size, pad_token_id, shuffle=True, seed=args.seed)
     buffer_length = args.overlong_buffer_length or args.max_response_length // 4
     val_loader = PromptLoader(val_data, args.val_batch_size, pad_token_id, shuffle=False, drop_last=False)
-    tracker = Tracker("dapo", args)
+    resume_from = find_checkpoint(args.resume, "runs", f"dapo__{args.exp_name}__{args.seed}")
+    if resume_from is not None:
+        check_config(resume_from, args, args.force_resume)
+    tracker = Tracker("dapo", args, resume_from=resume_from)
 
     init_ray()
     pool = ResourcePool(args.num_workers, use_gpu=ray.cluster_resources().get("GPU", 0) > 0)
@@ -268,18 +288,26 @@ if __name__ == "__main__":
     log_prob_inputs = ("input_ids", "attention_mask", "position_ids", "responses")
     log_prob_kwargs = dict(temperature=args.temperature, micro_batch_size=args.micro_batch_size)
 
-    first_val = last_val = None
-    if args.val_before_train:
-        first_val = last_val = validate(policy, val_loader, tokenizer, reward_fn, args.max_response_length)
+    start_step, first_val, last_val, bad_steps = 1, None, None, 0
+    if resume_from is not None:
+        driver_state = load_checkpoint(resume_from, {"policy": policy})
+        train_loader.load_state_dict(driver_state["loader"])
+        start_step = driver_state["step"] + 1
+        print(f"resumed from {resume_from}")
+    elif args.val_before_train:
+        first_val, samples = validate(policy, val_loader, tokenizer, reward_fn, sampling, args.val_n, args.reward_timeout)
+        last_val = first_val
         tracker.log(first_val, step=0)
+        tracker.log_samples(samples, step=0)
     train_batches = train_loader.forever()
-    progress = trange(1, args.total_steps + 1, desc="dapo")
+    stop, step = StopRequest(), start_step - 1
+    progress = trange(start_step, args.total_steps + 1, desc="dapo")
     for step in progress:
         metrics, step_start = {}, time.perf_counter()
 
         # 1-2. Rollout and reward, round after round: dynamic sampling keeps only the prompts whose samples
         # disagree (the others have zero advantage), until --train-batch-size prompts are kept.
-        kept, reward_metrics, generated_prompts = [], {"reward/errors": 0}, 0
+        kept, reward_metrics, generated_prompts = [], {"reward/errors": 0, "reward/timeouts": 0}, 0
         while sum(map(len, kept)) < args.train_batch_size * args.n:
             if args.max_gen_batches and len(kept) == args.max_gen_batches:
                 raise RuntimeError(
@@ -291,11 +319,11 @@ if __name__ == "__main__":
                 round_batch = next(train_batches).repeat(args.n, interleave=True)
                 round_batch |= policy.scatter("generate", round_batch.select("prompts", "prompt_mask"), **sampling)
             with timer("reward", metrics):
-                round_scores, round_metrics = score(round_batch, tokenizer, reward_fn)
+                round_scores, round_metrics = score(round_batch, tokenizer, reward_fn, args.reward_timeout)
                 penalty = overlong_penalty(round_batch.batch["response_mask"].sum(-1), args.max_response_length, buffer_length, args.overlong_penalty_factor)
                 round_batch.batch["score"] = round_scores
                 round_batch.batch["seq_reward"] = round_scores + (penalty if args.overlong_shaping else 0)
-                reward_metrics["reward/errors"] += round_metrics["reward/errors"]
+                reward_metrics = {k: reward_metrics[k] + round_metrics[k] for k in reward_metrics}
             generated_prompts += len(round_batch) // args.n
             keep = filter_groups(round_batch.batch[args.filter_metric], round_batch.non_tensor["uid"]) if args.filter_groups else slice(None)
             kept.append(round_batch[keep])
@@ -340,14 +368,33 @@ if __name__ == "__main__":
         })  # fmt: skip
         if step % args.test_freq == 0 or step == args.total_steps:
             with timer("validate", metrics):
-                last_val = validate(policy, val_loader, tokenizer, reward_fn, args.max_response_length)
+                last_val, samples = validate(policy, val_loader, tokenizer, reward_fn, sampling, args.val_n, args.reward_timeout)
             metrics.update(last_val)
+            tracker.log_samples(samples, step=step)
+        if step % args.save_freq == 0 or step == args.total_steps or stop.requested:
+            with timer("save", metrics):
+                save_checkpoint(tracker.run_dir, step, {"policy": policy}, {"loader": train_loader.state_dict()}, args.keep_last)
         tracker.log(metrics, step=step)
         progress.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}", step_s=f"{step_time:.2f}")
+        bad_steps = bad_steps + 1 if actor_metrics.get("skipped_updates") else 0
+        if bad_steps >= args.max_bad_steps:
+            raise RuntimeError(
+                f"{bad_steps} steps in a row had NaN or inf gradients; their updates were skipped, so no weights are "
+                "corrupted. Check the rewards and the learning rate, then continue with --resume auto"
+            )
+        if stop.requested:
+            break
 
     if first_val is not None:
         print(f"held-out accuracy: {first_val['val/accuracy']:.1%} before training")
-    print(f"held-out accuracy: {last_val['val/accuracy']:.1%} after {args.total_steps} steps; metrics in {tracker.run_dir}")
+    if last_val is not None:
+        print(f"held-out accuracy: {last_val['val/accuracy']:.1%} at the last validation")
+    print(f"metrics and checkpoints in {tracker.run_dir}")
+    if stop.requested:
+        print(f"stopped after step {step}; continue with the same command and --resume auto")
+    else:
+        policy.rank0("export", str(tracker.run_dir / "model"), adapter_only=args.export_adapter_only)
+        print(f"the trained policy, as a Hugging Face model folder: {tracker.run_dir / 'model'}")
     tracker.close()
     policy.shutdown()
     pool.shutdown()

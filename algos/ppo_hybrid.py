@@ -46,6 +46,10 @@ class Args:
     """sequences per forward/backward on one worker (gradient accumulation beyond that)"""
     val_batch_size: int = 256
     """prompts per validation generate call"""
+    val_n: int = 1
+    """responses per validation prompt: 1 decodes greedily; more samples them for mean@n and pass@n"""
+    reward_timeout: float = 10.0
+    """seconds a reward function may take for one response before it scores 0 (0: no limit)"""
 
     total_steps: int = 500
     """training steps (one batch of prompts each)"""
@@ -120,6 +124,18 @@ class Args:
     """validate every this many steps"""
     val_before_train: bool = True
     """validate once before the first step"""
+    save_freq: int = 100
+    """save a checkpoint every this many steps, and always at the end"""
+    keep_last: int = 2
+    """checkpoints to keep; older ones are deleted (0 keeps all)"""
+    resume: str | None = None
+    """`auto`: continue the newest complete checkpoint of this algorithm, exp-name and seed; or a checkpoints/step_<N> folder"""
+    force_resume: bool = False
+    """resume even from a checkpoint made with other settings"""
+    export_adapter_only: bool = False
+    """with LoRA, export only the adapter instead of the merged model"""
+    max_bad_steps: int = 3
+    """stop after this many consecutive steps whose update was skipped for a NaN or inf gradient"""
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -254,6 +270,7 @@ if __name__ == "__main__":
     from transformers import AutoTokenizer
 
     from common import demo
+    from common.checkpoint import StopRequest, check_config, find_checkpoint, load_checkpoint, save_checkpoint
     from common.data import PromptLoader, check_batch_sizes, load_prompts
     from common.rewards import check_data_sources, load_reward_fn, score, validate
     from common.tracking import Tracker, timer
@@ -275,7 +292,10 @@ if __name__ == "__main__":
     check_data_sources(val_data, reward_fn)
     train_loader = PromptLoader(train_data, args.train_batch_size, pad_token_id, shuffle=True, seed=args.seed)
     val_loader = PromptLoader(val_data, args.val_batch_size, pad_token_id, shuffle=False, drop_last=False)
-    tracker = Tracker("ppo", args)
+    resume_from = find_checkpoint(args.resume, "runs", f"ppo__{args.exp_name}__{args.seed}")
+    if resume_from is not None:
+        check_config(resume_from, args, args.force_resume)
+    tracker = Tracker("ppo", args, resume_from=resume_from)
 
     init_ray()
     # The critic shares each accelerator with the policy: two workers per bundle.
@@ -298,12 +318,21 @@ if __name__ == "__main__":
     log_prob_inputs = ("input_ids", "attention_mask", "position_ids", "responses")
     log_prob_kwargs = dict(temperature=args.temperature, micro_batch_size=args.micro_batch_size)
 
-    first_val = last_val = None
-    if args.val_before_train:
-        first_val = last_val = validate(policy, val_loader, tokenizer, reward_fn, args.max_response_length)
+    start_step, first_val, last_val, bad_steps = 1, None, None, 0
+    if resume_from is not None:
+        driver_state = load_checkpoint(resume_from, {"policy": policy, "critic": critic})
+        train_loader.load_state_dict(driver_state["loader"])
+        start_step = driver_state["step"] + 1
+        kl_coef = driver_state["kl_coef"]
+        print(f"resumed from {resume_from}")
+    elif args.val_before_train:
+        first_val, samples = validate(policy, val_loader, tokenizer, reward_fn, sampling, args.val_n, args.reward_timeout)
+        last_val = first_val
         tracker.log(first_val, step=0)
+        tracker.log_samples(samples, step=0)
     train_batches = train_loader.forever()
-    progress = trange(1, args.total_steps + 1, desc="ppo")
+    stop, step = StopRequest(), start_step - 1
+    progress = trange(start_step, args.total_steps + 1, desc="ppo")
     for step in progress:
         metrics, step_start = {}, time.perf_counter()
 
@@ -315,7 +344,7 @@ if __name__ == "__main__":
 
         # 2. Outcome reward: one score per response.
         with timer("reward", metrics):
-            scores, reward_metrics = score(batch, tokenizer, reward_fn)
+            scores, reward_metrics = score(batch, tokenizer, reward_fn, args.reward_timeout)
 
         # 3. Log-probs of the sampled tokens under the policy that sampled them and under the reference; values.
         with timer("old_log_prob", metrics):
@@ -374,14 +403,33 @@ if __name__ == "__main__":
         })  # fmt: skip
         if step % args.test_freq == 0 or step == args.total_steps:
             with timer("validate", metrics):
-                last_val = validate(policy, val_loader, tokenizer, reward_fn, args.max_response_length)
+                last_val, samples = validate(policy, val_loader, tokenizer, reward_fn, sampling, args.val_n, args.reward_timeout)
             metrics.update(last_val)
+            tracker.log_samples(samples, step=step)
+        if step % args.save_freq == 0 or step == args.total_steps or stop.requested:
+            with timer("save", metrics):
+                save_checkpoint(tracker.run_dir, step, {"policy": policy, "critic": critic}, {"loader": train_loader.state_dict(), "kl_coef": kl_coef}, args.keep_last)
         tracker.log(metrics, step=step)
         progress.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}", step_s=f"{step_time:.2f}")
+        bad_steps = bad_steps + 1 if actor_metrics.get("skipped_updates") else 0
+        if bad_steps >= args.max_bad_steps:
+            raise RuntimeError(
+                f"{bad_steps} steps in a row had NaN or inf gradients; their updates were skipped, so no weights are "
+                "corrupted. Check the rewards and the learning rate, then continue with --resume auto"
+            )
+        if stop.requested:
+            break
 
     if first_val is not None:
         print(f"held-out accuracy: {first_val['val/accuracy']:.1%} before training")
-    print(f"held-out accuracy: {last_val['val/accuracy']:.1%} after {args.total_steps} steps; metrics in {tracker.run_dir}")
+    if last_val is not None:
+        print(f"held-out accuracy: {last_val['val/accuracy']:.1%} at the last validation")
+    print(f"metrics and checkpoints in {tracker.run_dir}")
+    if stop.requested:
+        print(f"stopped after step {step}; continue with the same command and --resume auto")
+    else:
+        policy.rank0("export", str(tracker.run_dir / "model"), adapter_only=args.export_adapter_only)
+        print(f"the trained policy, as a Hugging Face model folder: {tracker.run_dir / 'model'}")
     tracker.close()
     policy.shutdown()
     critic.shutdown()

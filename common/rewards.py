@@ -9,7 +9,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import signal
 from collections import defaultdict
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -38,10 +40,23 @@ def gsm8k_reward(solution_str: str, ground_truth: str) -> float:
     return float(answer is not None and truth is not None and abs(answer - truth) < 1e-6)
 
 
+def math_reward(solution_str: str, ground_truth: str) -> float:
+    """1 when math-verify finds the response's final answer equal to the ground truth.
+
+    Needs the `math` extra (math-verify); parsing and comparing each stop after 5 seconds.
+    """
+    from math_verify import parse, verify
+
+    gold = parse(f"\\boxed{{{ground_truth}}}", parsing_timeout=5)
+    answer = parse(solution_str, parsing_timeout=5)
+    return float(verify(gold, answer, timeout_seconds=5))
+
+
 BUILTIN_REWARDS = {
     "addition": addition_reward,
     "gsm8k": gsm8k_reward,
     "openai/gsm8k": gsm8k_reward,
+    "math": math_reward,
 }
 
 
@@ -78,30 +93,80 @@ def check_data_sources(data: DataProto, reward_fn) -> None:
         )
 
 
-def score(batch: DataProto, tokenizer, reward_fn) -> tuple[torch.Tensor, dict]:
-    """One scalar score per response. A reward function that raises scores 0 and is counted."""
+class RewardTimeout(Exception):
+    pass
+
+
+@contextmanager
+def time_limit(seconds: float | None):
+    """Raise RewardTimeout in this (main) thread after `seconds`.
+
+    A reward stuck in Python code, or sleeping, is interrupted; one stuck inside
+    a C call is interrupted only when that call returns to Python.
+    """
+    if not seconds:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise RewardTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def score(batch: DataProto, tokenizer, reward_fn, timeout: float | None = None) -> tuple[torch.Tensor, dict]:
+    """One scalar score per response. A reward function that raises, or runs past `timeout`
+    seconds, scores 0 and is counted."""
     texts = tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True)
-    scores, errors = [], 0
+    scores, errors, timeouts = [], 0, 0
     for text, source, truth, extra in zip(texts, *(batch.non_tensor[k] for k in ("data_source", "ground_truth", "extra_info"))):
         try:
-            result = reward_fn(source, text, truth, extra)
+            with time_limit(timeout):
+                result = reward_fn(source, text, truth, extra)
             scores.append(float(result["score"] if isinstance(result, dict) else result))
+        except RewardTimeout:
+            scores.append(0.0)
+            timeouts += 1
         except Exception:
             scores.append(0.0)
             errors += 1
-    return torch.tensor(scores, dtype=torch.float32), {"reward/errors": errors}
+    return torch.tensor(scores, dtype=torch.float32), {"reward/errors": errors, "reward/timeouts": timeouts}
 
 
-def validate(policy, val_loader, tokenizer, reward_fn, max_response_length: int) -> dict:
-    """Greedy accuracy (mean score) over the validation set, overall and per data source."""
-    by_source, all_scores, errors = defaultdict(list), [], 0
+def validate(policy, val_loader, tokenizer, reward_fn, sampling: dict, n: int = 1, timeout: float | None = None) -> tuple[dict, list[dict]]:
+    """Accuracy (mean score) over the validation set, overall and per data source, and every completion.
+
+    With n == 1 decoding is greedy; with n > 1 each prompt gets n samples and
+    mean@n (the mean score) and pass@n (the share of prompts with a sample
+    scoring 1) are reported.
+    """
+    by_source, samples, group_best = defaultdict(list), [], defaultdict(float)
+    reward_metrics = defaultdict(int)
     for batch in val_loader:
-        batch |= policy.scatter("generate", batch.select("prompts", "prompt_mask"), max_response_length=max_response_length, do_sample=False)
-        scores, metrics = score(batch, tokenizer, reward_fn)
-        errors += metrics["reward/errors"]
-        for source, value in zip(batch.non_tensor["data_source"], scores.tolist()):
+        batch = batch.repeat(n, interleave=True)
+        generation = dict(sampling, do_sample=True) if n > 1 else dict(max_response_length=sampling["max_response_length"], do_sample=False)
+        batch |= policy.scatter("generate", batch.select("prompts", "prompt_mask"), **generation)
+        scores, metrics = score(batch, tokenizer, reward_fn, timeout)
+        for key, value in metrics.items():
+            reward_metrics[key] += value
+        responses = tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True)
+        for i, value in enumerate(scores.tolist()):
+            source, uid = batch.non_tensor["data_source"][i], batch.non_tensor["uid"][i]
             by_source[source].append(value)
-            all_scores.append(value)
-    metrics = {"val/accuracy": float(np.mean(all_scores)), "val/reward_errors": errors}
+            group_best[uid] = max(group_best[uid], value)
+            samples.append(
+                {"prompt": batch.non_tensor["prompt_text"][i], "response": responses[i], "ground_truth": batch.non_tensor["ground_truth"][i], "score": value}
+            )
+    all_scores = [s["score"] for s in samples]
+    metrics = {"val/accuracy": float(np.mean(all_scores)), **{f"val/{k.removeprefix('reward/')}": v for k, v in reward_metrics.items()}}
     metrics.update({f"val/accuracy/{source}": float(np.mean(values)) for source, values in by_source.items()})
-    return metrics
+    if n > 1:
+        metrics[f"val/mean@{n}"] = metrics["val/accuracy"]
+        metrics[f"val/pass@{n}"] = float(np.mean([best >= 1 for best in group_best.values()]))
+    return metrics, samples

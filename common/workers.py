@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import resource
+import shutil
 import socket
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
@@ -276,13 +277,17 @@ class FSDPWorker:
         return norm.item()
 
     def save(self, path: str) -> None:
-        """Sharded weights, optimiser and schedule of every rank, for a later resume."""
+        """Sharded weights, optimiser, schedule and RNG of every rank, for a later resume."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         self.model.reshard()
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict()}, checkpoint_id=path)
+        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state()
+        torch.save(rng, os.path.join(path, f"rng_rank{self.rank}.pt"))
 
     def load(self, path: str) -> None:
         import torch.distributed.checkpoint as dcp
@@ -293,6 +298,11 @@ class FSDPWorker:
         dcp.load(state, checkpoint_id=path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        rng = torch.load(os.path.join(path, f"rng_rank{self.rank}.pt"), weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        if "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered whole, on the CPU (a collective: call every rank)."""
@@ -344,6 +354,7 @@ class PolicyWorker(FSDPWorker):
 
         self._init_distributed(master, seed)
         self.max_grad_norm, self.lora = max_grad_norm, lora_rank > 0
+        self.model_path, self.lora_settings = model_path, (lora_rank, lora_alpha, lora_target_modules)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         model = self._load(AutoModelForCausalLM, model_path)
         layer_classes = _layer_classes(model)
@@ -436,6 +447,32 @@ class PolicyWorker(FSDPWorker):
             model = self.model if self.lora else self.reference
             log_probs, _ = self._log_probs(data, model, temperature, micro_batch_size, with_entropy=False)
         return DataProto.from_dict({"ref_log_probs": log_probs})
+
+    def export(self, path: str, adapter_only: bool = False) -> None:
+        """Write the policy as an ordinary HF model folder with its tokenizer (a collective: call every rank).
+
+        With LoRA the adapter is merged into the base weights, or saved alone with `adapter_only`.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from transformers import AutoModelForCausalLM
+
+        self.model.reshard()
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank != 0:
+            return
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        dtype = model.config.dtype or torch.float32
+        if self.lora:
+            model = _lora(model, *self.lora_settings, "CAUSAL_LM")
+        model.load_state_dict(state)
+        if self.lora and not adapter_only:
+            model = model.merge_and_unload()
+        scratch = f"{path}.partial"
+        shutil.rmtree(scratch, ignore_errors=True)
+        model.to(dtype).save_pretrained(scratch)
+        self.tokenizer.save_pretrained(scratch)
+        shutil.rmtree(path, ignore_errors=True)
+        os.rename(scratch, path)
 
     def update(self, data: DataProto, loss_fn, temperature: float, epochs: int, mini_batch_size: int, micro_batch_size: int) -> dict:
         """PPO-style update with the script's `loss_fn(micro_batch, (log_prob, entropy), ...)`."""

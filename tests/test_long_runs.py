@@ -1,0 +1,257 @@
+"""Long runs that survive: exact resume, signals, crashes mid-save, dying workers, NaNs, hanging rewards, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from common.checkpoint import complete_checkpoints, find_checkpoint, save_checkpoint
+from common.dataproto import DataProto
+from common.rewards import score
+from common.workers import PolicyWorker, WorkerDied, WorkerGroup
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--train-batch-size", "8", "--mini-batch-size", "4", "--n", "4", "--test-freq", "100", "--no-val-before-train"]
+
+
+def start_script(*flags, cwd, env=None, algo="grpo"):
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "algos" / f"{algo}_hybrid.py"), *TINY, *flags], cwd=cwd, env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def run_script(*flags, cwd, algo="grpo"):
+    process = start_script(*flags, cwd=cwd, algo=algo)
+    stdout, stderr = process.communicate(timeout=600)
+    return process.returncode, stdout, stderr
+
+
+def metric_rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def comparable(row):
+    """Training metrics: not timings, and not validation (the shorter run validates at its last step)."""
+    return {k: v for k, v in row.items() if not k.startswith(("timing/", "perf/", "val/")) and k != "actor/peak_memory_gb"}
+
+
+def wait_for_steps(run_root: Path, steps: int, process, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        files = list(run_root.glob("runs/*/metrics.jsonl"))
+        if files and len(files[0].read_text().splitlines()) >= steps:
+            return files[0].parent
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        time.sleep(0.2)
+    raise TimeoutError
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_resumed_run_repeats_an_uninterrupted_one_step_for_step(ray_cluster, demo_files, tmp_path, algo):
+    (tmp_path / "straight").mkdir()
+    code, _, stderr = run_script("--total-steps", "4", "--save-freq", "1", "--keep-last", "2", cwd=tmp_path / "straight", algo=algo)
+    assert code == 0, stderr[-3000:]
+    [straight] = (tmp_path / "straight" / "runs").iterdir()
+    assert [c.name for c in complete_checkpoints(straight)] == ["step_3", "step_4"]
+    assert not list((straight / "checkpoints").glob(".*partial"))
+
+    (tmp_path / "resumed").mkdir()
+    code, _, stderr = run_script("--total-steps", "2", "--save-freq", "2", cwd=tmp_path / "resumed", algo=algo)
+    assert code == 0, stderr[-3000:]
+    code, stdout, stderr = run_script("--total-steps", "4", "--save-freq", "2", "--resume", "auto", cwd=tmp_path / "resumed", algo=algo)
+    assert code == 0, stderr[-3000:]
+    assert "resumed from" in stdout
+    [resumed] = (tmp_path / "resumed" / "runs").iterdir()
+    assert [r["step"] for r in metric_rows(resumed)] == [1, 2, 3, 4]
+    assert [comparable(r) for r in metric_rows(resumed)] == [comparable(r) for r in metric_rows(straight)]
+
+
+def test_sigterm_saves_a_checkpoint_that_resumes(ray_cluster, demo_files, tmp_path):
+    process = start_script("--total-steps", "500", "--save-freq", "1000", cwd=tmp_path)
+    run_dir = wait_for_steps(tmp_path, 2, process)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr[-3000:]
+    [checkpoint] = complete_checkpoints(run_dir)
+    step = int(checkpoint.name.removeprefix("step_"))
+    assert 2 <= step < 500
+    assert [r["step"] for r in metric_rows(run_dir)][-1] == step
+    code, stdout, stderr = run_script("--total-steps", str(step + 1), "--save-freq", "1000", "--resume", "auto", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    assert f"runs/{run_dir.name}/checkpoints/step_{step}" in stdout
+    assert [r["step"] for r in metric_rows(run_dir)][-1] == step + 1
+
+
+def test_other_config_is_refused_unless_forced_and_export_adapter_only(ray_cluster, demo_files, tmp_path):
+    lora = ["--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2"]
+    code, _, stderr = run_script("--total-steps", "1", *lora, "--export-adapter-only", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    [run_dir] = (tmp_path / "runs").iterdir()
+    assert (run_dir / "model" / "adapter_config.json").exists()
+
+    code, _, stderr = run_script("--total-steps", "2", *lora[:-1], "5e-3", "--resume", "auto", cwd=tmp_path)
+    assert code != 0
+    assert "was made with other settings (lr: 0.01 -> 0.005)" in stderr and "--force-resume" in stderr
+    assert "PolicyWorker" not in stderr
+
+    code, stdout, stderr = run_script("--total-steps", "2", *lora[:-1], "5e-3", "--resume", "auto", "--force-resume", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(run_dir / "model")
+    assert not any("lora" in name for name in merged.state_dict())
+    assert (run_dir / "model" / "tokenizer.json").exists()
+
+
+def test_exported_model_is_the_trained_policy(ray_cluster, demo_files, tmp_path):
+    """The merged export reproduces the policy's greedy answers on the held-out problems."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    code, _, stderr = run_script("--total-steps", "3", "--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2", "--test-freq", "3", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    [run_dir] = (tmp_path / "runs").iterdir()
+    samples = [json.loads(line) for line in (run_dir / "validation" / "step_3.jsonl").read_text().splitlines()]
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(run_dir / "model"), AutoTokenizer.from_pretrained(run_dir / "model")
+    for sample in samples[:10]:
+        prompt = tokenizer(sample["prompt"], return_tensors="pt")
+        output = model.generate(**prompt, max_new_tokens=4, do_sample=False)
+        assert tokenizer.decode(output[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True) == sample["response"]
+
+
+def test_a_dead_worker_stops_the_run_by_name_and_the_checkpoint_resumes(ray_cluster, demo_files, tmp_path):
+    started = time.time()
+    process = start_script("--total-steps", "500", "--save-freq", "1", cwd=tmp_path)
+    run_dir = wait_for_steps(tmp_path, 2, process)
+    workers = [p for p in psutil.process_iter(["cmdline", "create_time"]) if "ray::PolicyWorker" in " ".join(p.info["cmdline"] or []) and p.info["create_time"] >= started - 1]
+    assert workers
+    workers[-1].kill()
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode != 0
+    assert "policy worker rank" in stderr and "died during" in stderr
+    last = complete_checkpoints(run_dir)[-1]
+    step = int(last.name.removeprefix("step_"))
+    code, stdout, stderr = run_script("--total-steps", str(step + 1), "--resume", "auto", cwd=tmp_path)
+    assert code == 0, stderr[-3000:]
+    assert f"checkpoints/step_{step}" in stdout
+
+
+def test_nan_rewards_skip_updates_then_stop_the_run(ray_cluster, demo_files, tmp_path):
+    (tmp_path / "nan_reward.py").write_text("def score(data_source, solution_str, ground_truth, extra_info):\n    return float('nan')\n")
+    code, _, stderr = run_script("--total-steps", "10", "--max-bad-steps", "2", "--reward-fn", f"{tmp_path}/nan_reward.py:score", cwd=tmp_path)
+    assert code != 0
+    assert "2 steps in a row had NaN or inf gradients; their updates were skipped, so no weights are corrupted" in stderr
+    [run_dir] = (tmp_path / "runs").iterdir()
+    assert [r["actor/skipped_updates"] for r in metric_rows(run_dir)] == [2.0, 2.0]  # both mini-batches of both steps
+
+
+def test_nan_loss_leaves_the_weights_untouched(cpu_pool, tiny_model, tokenizer, demo_files):
+    from common.data import collate, load_prompts
+
+    group = WorkerGroup(PolicyWorker, cpu_pool, "policy", model_path=tiny_model, lr=1e-2, use_reference=False)
+    try:
+        prompts = collate(load_prompts([demo_files[1]], tokenizer, 8)[:4], tokenizer.pad_token_id)
+        batch = prompts | group.scatter("generate", prompts.select("prompts", "prompt_mask"), max_response_length=4)
+        before = group.rank0("full_state_dict")
+
+        def nan_loss(batch, outputs, minibatch_tokens, minibatch_seqs):
+            return outputs[0].sum() * float("nan"), {}
+
+        [metrics, _] = group.scatter("update", batch.select("input_ids", "attention_mask", "position_ids", "responses", "response_mask"),
+                                     loss_fn=nan_loss, temperature=1.0, epochs=1, mini_batch_size=4, micro_batch_size=2)  # fmt: skip
+        assert metrics["skipped_updates"] == 1
+        after = group.rank0("full_state_dict")
+        assert all(torch.equal(before[k], after[k]) for k in before)
+    finally:
+        group.shutdown()
+
+
+def test_a_crash_mid_save_leaves_the_previous_checkpoint(cpu_pool, tiny_model, tmp_path):
+    run_dir = tmp_path / "runs" / "grpo__x__1__0"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text("{}")
+    group = WorkerGroup(PolicyWorker, cpu_pool, "policy", model_path=tiny_model, use_reference=False)
+    save_checkpoint(run_dir, 1, {"policy": group}, {"loader": {}}, keep_last=2)
+    group.shutdown()
+    with pytest.raises(WorkerDied, match="died during 'save'"):
+        save_checkpoint(run_dir, 2, {"policy": group}, {"loader": {}}, keep_last=2)
+    assert [c.name for c in complete_checkpoints(run_dir)] == ["step_1"]
+    assert find_checkpoint("auto", str(tmp_path / "runs"), "grpo__x__1") == (run_dir / "checkpoints" / "step_1").resolve()
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        find_checkpoint(str(run_dir / "checkpoints" / ".step_2.partial"), str(tmp_path / "runs"), "grpo__x__1")
+
+
+def test_a_hanging_reward_is_cut_off(tokenizer):
+    def slow(data_source, solution_str, ground_truth, extra_info):
+        if solution_str == "12":
+            time.sleep(30)
+        return 1.0
+
+    responses = torch.tensor([tokenizer("3")["input_ids"] + [0], tokenizer("12")["input_ids"]])
+    batch = DataProto.from_dict({"responses": responses}, {"data_source": ["addition"] * 2, "ground_truth": ["3", "12"], "extra_info": [{}, {}]})
+    started = time.time()
+    scores, metrics = score(batch, tokenizer, slow, timeout=0.5)
+    assert time.time() - started < 5
+    assert scores.tolist() == [1.0, 0.0]
+    assert metrics == {"reward/errors": 0, "reward/timeouts": 1}
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--train-files", "{tmp}/missing.parquet"], "missing.parquet does not exist"),
+        (["--train-files", "{tmp}/empty.jsonl"], "empty.jsonl has no rows"),
+        (["--train-files", "{tmp}/long.jsonl"], "long.jsonl, row 0: the prompt has 9 tokens, more than --max-prompt-length 8"),
+        (["--train-batch-size", "128", "--mini-batch-size", "64"], "a batch of 128 prompts is larger than the dataset (100 prompts)"),
+        (["--num-workers", "3"], "does not split evenly over --num-workers 3"),
+        (["--train-batch-size", "8", "--mini-batch-size", "3"], "--train-batch-size 8 is not a multiple of --mini-batch-size 3"),
+    ],
+    ids=["missing-file", "empty-file", "long-prompt", "batch-larger-than-data", "indivisible-workers", "indivisible-mini-batch"],
+)
+def test_bad_input_stops_before_any_worker(demo_files, tmp_path, flags, message):
+    (tmp_path / "empty.jsonl").write_text("")
+    row = {"prompt": [{"role": "user", "content": "123456+7="}], "data_source": "addition", "reward_model": {"ground_truth": "123463"}}
+    (tmp_path / "long.jsonl").write_text(json.dumps(row) + "\n")
+    flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
+    result = subprocess.run([sys.executable, str(ROOT / "algos" / "grpo_hybrid.py"), *flags], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "PolicyWorker" not in result.stderr and not (tmp_path / "runs").exists()
+
+
+MULTI_NODE = """
+import os, subprocess, sys
+import ray
+from ray.cluster_utils import Cluster
+
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+cluster.add_node(num_cpus=1)
+ray.init(address=cluster.address)
+assert len([n for n in ray.nodes() if n["Alive"]]) == 2
+# each node has one CPU, so the two policy workers must land on different nodes
+env = {**os.environ, "RAY_ADDRESS": cluster.address}
+result = subprocess.run([sys.executable, sys.argv[1], *sys.argv[2:]], env=env, capture_output=True, text=True)
+print(result.stdout)
+print(result.stderr[-3000:], file=sys.stderr)
+ray.shutdown()
+cluster.shutdown()
+sys.exit(result.returncode)
+"""
+
+
+def test_a_worker_group_spans_two_nodes(demo_files, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    result = subprocess.run(
+        [sys.executable, "-c", MULTI_NODE, str(ROOT / "algos" / "grpo_hybrid.py"), *TINY, "--total-steps", "2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    [run_dir] = (tmp_path / "runs").iterdir()
+    assert [r["step"] for r in metric_rows(run_dir)] == [1, 2]
