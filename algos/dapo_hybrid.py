@@ -254,7 +254,7 @@ if __name__ == "__main__":
 
     args = tyro.cli(Args)
     if args.model_path is None:
-        args = demo.apply(Args, lr=5e-4, max_prompt_length=8, max_response_length=4, micro_batch_size=256, train_batch_size=16, mini_batch_size=4, total_steps=300, gen_batch_size=96)
+        args = demo.apply(Args, lr=5e-4, max_prompt_length=8, max_response_length=4, micro_batch_size=256, n=16, train_batch_size=32, mini_batch_size=8, total_steps=150, gen_batch_size=96, max_gen_batches=30)
     torch.manual_seed(args.seed)
 
     # Everything that can be wrong with the input fails here, before any worker starts.

@@ -171,6 +171,33 @@ class FSDPWorker:
     def master_address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), _free_port()
 
+    def setup(
+        self,
+        master,
+        model_path: str,
+        seed: int = 1,
+        lr: float = 1e-6,
+        weight_decay: float = 0.0,
+        lr_warmup_steps: int = 0,
+        max_grad_norm: float = 1.0,
+        gradient_checkpointing: bool = False,
+        lora_rank: int = 0,
+        lora_alpha: int = 16,
+        lora_target_modules: str = "all-linear",
+    ) -> None:
+        """Join the process group, load the model (with a LoRA adapter if asked), shard it, build its optimiser."""
+        self._init_distributed(master, seed)
+        self.model_path, self.max_grad_norm, self.lora = model_path, max_grad_norm, lora_rank > 0
+        self.lora_settings = (lora_rank, lora_alpha, lora_target_modules)
+        model = self._load(model_path)
+        self.layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.lora:
+            model = self._add_lora(model)
+        self.model = self._shard(model)
+        self._build_optimizer(lr, weight_decay, lr_warmup_steps)
+
     def _init_distributed(self, master: tuple[str, int], seed: int) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -185,8 +212,8 @@ class FSDPWorker:
         torch.manual_seed(seed + self.rank)
         np.random.seed(seed + self.rank)
 
-    def _load(self, model_cls, model_path: str, **kwargs):
-        model = model_cls.from_pretrained(model_path, dtype=torch.float32, **kwargs)
+    def _load(self, model_path: str):
+        model = self._from_pretrained(model_path, dtype=torch.float32)
         # RL compares log-probs of the same tokens across passes: dropout would make
         # the first importance ratio differ from 1.
         for module in model.modules():
@@ -194,14 +221,14 @@ class FSDPWorker:
                 module.p = 0.0
         return model
 
-    def _shard(self, model, layer_classes: set[str], offload: bool = False):
+    def _shard(self, model, offload: bool = False):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         on_gpu = self.device.type == "cuda"
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_gpu else MixedPrecisionPolicy()
         options = dict(mesh=self.mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload and on_gpu else OffloadPolicy())
         for module in list(model.modules()):
-            if type(module).__name__ in layer_classes:
+            if type(module).__name__ in self.layer_classes:
                 fully_shard(module, **options)
         fully_shard(model, **options)
         return model
@@ -310,10 +337,6 @@ class FSDPWorker:
         return {name: p.full_tensor().cpu() for name, p in self.model.named_parameters()}
 
 
-def _layer_classes(model) -> set[str]:
-    return set(getattr(model, "_no_split_modules", None) or [])
-
-
 def _lora(model, rank: int, alpha: int, target_modules: str, task_type: str, modules_to_save: list[str] | None = None):
     from peft import LoraConfig, get_peft_model
 
@@ -334,52 +357,35 @@ def _response_log_probs(logits: torch.Tensor, responses: torch.Tensor, temperatu
 class PolicyWorker(FSDPWorker):
     """The hybrid engine: trainable policy, rollout engine and reference in one process."""
 
-    def setup(
-        self,
-        master,
-        model_path: str,
-        seed: int = 1,
-        lr: float = 1e-6,
-        weight_decay: float = 0.0,
-        lr_warmup_steps: int = 0,
-        max_grad_norm: float = 1.0,
-        gradient_checkpointing: bool = False,
-        lora_rank: int = 0,
-        lora_alpha: int = 16,
-        lora_target_modules: str = "all-linear",
-        use_reference: bool = True,
-        rollout_engine: str = "hf",
-    ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    def _from_pretrained(self, model_path: str, **kwargs):
+        from transformers import AutoModelForCausalLM
 
-        self._init_distributed(master, seed)
-        self.max_grad_norm, self.lora = max_grad_norm, lora_rank > 0
-        self.model_path, self.lora_settings = model_path, (lora_rank, lora_alpha, lora_target_modules)
+        return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+
+    def _add_lora(self, model):
+        return _lora(model, *self.lora_settings, "CAUSAL_LM")
+
+    def setup(self, master, model_path: str, use_reference: bool = True, rollout_engine: str = "hf", **settings) -> None:
+        """The policy (see FSDPWorker.setup), its rollout engine, and the reference."""
+        from transformers import AutoTokenizer
+
+        if rollout_engine != "hf":
+            raise ValueError(f"rollout engine '{rollout_engine}' is not available; use 'hf'")
+        super().setup(master, model_path, **settings)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        model = self._load(AutoModelForCausalLM, model_path)
-        layer_classes = _layer_classes(model)
-        if gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.lora:
-            model = _lora(model, lora_rank, lora_alpha, lora_target_modules, "CAUSAL_LM")
-        self.model = self._shard(model, layer_classes)
-        self._build_optimizer(lr, weight_decay, lr_warmup_steps)
         # The reference: with LoRA it is this same model with the adapter off.
         self.reference = None
         if use_reference and not self.lora:
-            reference = self._load(AutoModelForCausalLM, model_path).requires_grad_(False).eval()
-            self.reference = self._shard(reference, layer_classes, offload=True)
-        if rollout_engine != "hf":
-            raise ValueError(f"rollout engine '{rollout_engine}' is not available; use 'hf'")
-        self.eos_token_ids = self._eos_token_ids(model)
+            self.reference = self._shard(self._load(model_path).requires_grad_(False).eval(), offload=True)
+        self.eos_token_ids = self._eos_token_ids()
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_ids[0]
         # FSDP2 initialises lazily on the root's first forward; generate needs that done.
         with torch.no_grad():
             self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device))
 
-    def _eos_token_ids(self, model) -> list[int]:
-        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-        eos = eos if eos is not None else self.tokenizer.eos_token_id
+    def _eos_token_ids(self) -> list[int]:
+        config = getattr(self.model, "generation_config", None)
+        eos = config.eos_token_id if config is not None and config.eos_token_id is not None else self.tokenizer.eos_token_id
         return list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
     @torch.no_grad()
@@ -454,16 +460,15 @@ class PolicyWorker(FSDPWorker):
         With LoRA the adapter is merged into the base weights, or saved alone with `adapter_only`.
         """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        from transformers import AutoModelForCausalLM
 
         self.model.reshard()
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        model = self._from_pretrained(self.model_path, dtype=torch.float32)
         dtype = model.config.dtype or torch.float32
         if self.lora:
-            model = _lora(model, *self.lora_settings, "CAUSAL_LM")
+            model = self._add_lora(model)
         model.load_state_dict(state)
         if self.lora and not adapter_only:
             model = model.merge_and_unload()
@@ -484,35 +489,16 @@ class PolicyWorker(FSDPWorker):
 
 
 class CriticWorker(FSDPWorker):
-    """A value model: the policy's architecture with a scalar head over every token."""
+    """A value model: the policy's architecture with a scalar head over every token (see FSDPWorker.setup)."""
 
-    def setup(
-        self,
-        master,
-        model_path: str,
-        seed: int = 1,
-        lr: float = 1e-5,
-        weight_decay: float = 0.0,
-        lr_warmup_steps: int = 0,
-        max_grad_norm: float = 1.0,
-        gradient_checkpointing: bool = False,
-        lora_rank: int = 0,
-        lora_alpha: int = 16,
-        lora_target_modules: str = "all-linear",
-    ) -> None:
+    def _from_pretrained(self, model_path: str, **kwargs):
         from transformers import AutoModelForTokenClassification
 
-        self._init_distributed(master, seed)
-        self.max_grad_norm = max_grad_norm
-        model = self._load(AutoModelForTokenClassification, model_path, num_labels=1)
-        layer_classes = _layer_classes(model)
-        if gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if lora_rank > 0:
-            # The value head is new: it trains in full beside the adapter.
-            model = _lora(model, lora_rank, lora_alpha, lora_target_modules, "TOKEN_CLS", modules_to_save=["score"])
-        self.model = self._shard(model, layer_classes)
-        self._build_optimizer(lr, weight_decay, lr_warmup_steps)
+        return AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, **kwargs)
+
+    def _add_lora(self, model):
+        # The value head is new: it trains in full beside the adapter.
+        return _lora(model, *self.lora_settings, "TOKEN_CLS", modules_to_save=["score"])
 
     def _forward(self, micro: DataProto) -> torch.Tensor:
         """The value of the state before each response token."""
