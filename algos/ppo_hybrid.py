@@ -278,7 +278,7 @@ if __name__ == "__main__":
 
     args = tyro.cli(Args)
     if args.model_path is None:
-        args = demo.apply(Args, lr=5e-4, max_prompt_length=8, max_response_length=4, micro_batch_size=256, train_batch_size=64, mini_batch_size=16, total_steps=250, n=8, critic_lr=1e-3)
+        args = demo.apply(Args, lr=3e-4, max_prompt_length=8, max_response_length=4, micro_batch_size=256, train_batch_size=64, mini_batch_size=16, total_steps=400, n=8, critic_lr=1e-3)
     torch.manual_seed(args.seed)
 
     # Everything that can be wrong with the input fails here, before any worker starts.

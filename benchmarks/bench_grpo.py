@@ -56,7 +56,9 @@ def main():
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     workdir = tempfile.mkdtemp()
     command = [sys.executable, str(ROOT / "algos" / "grpo_hybrid.py"), "--total-steps", str(options.steps), "--no-val-before-train", "--test-freq", str(10**9), *options.script_args]
-    subprocess.run(command, cwd=workdir, env=env, check=True, stdout=subprocess.DEVNULL)
+    result = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True)
+    if result.returncode:
+        sys.exit(f"grpo_hybrid.py failed:\n{result.stderr[-3000:]}")
     driver_peak_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
 
     [run_dir] = (Path(workdir) / "runs").iterdir()
