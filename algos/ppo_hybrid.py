@@ -103,7 +103,7 @@ class Args:
     kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
     """keep the KL coefficient fixed, or adapt it towards --kl-target (Ziegler et al. 2019)"""
     kl_target: float = 0.1
-    """the adaptive controller's target KL per sequence"""
+    """the adaptive controller's target KL per token"""
     kl_horizon: int = 10000
     """the adaptive controller's horizon, in samples"""
     entropy_coef: float = 0.0
@@ -361,10 +361,10 @@ if __name__ == "__main__":
             token_rewards = kl_penalised_rewards(scores, kl, response_mask, kl_coef)
             advantages, returns = compute_gae(token_rewards, batch.batch["values"], response_mask, args.gamma, args.lam)
             batch.batch["advantages"], batch.batch["returns"] = advantages, returns
-            sequence_kl = ((kl * response_mask).sum(-1)).mean().item()
-            metrics["actor/kl_coef"], metrics["actor/kl"] = kl_coef, sequence_kl
+            mean_kl = ((kl * response_mask).sum() / response_mask.sum()).item()
+            metrics["actor/kl_coef"], metrics["actor/kl"] = kl_coef, mean_kl
             if args.kl_ctrl == "adaptive":
-                kl_coef = update_kl_coef(kl_coef, sequence_kl, args.kl_target, len(batch), args.kl_horizon)
+                kl_coef = update_kl_coef(kl_coef, mean_kl, args.kl_target, len(batch), args.kl_horizon)
 
         # 5. Critic update (clipped value loss), then the policy's (clipped surrogate) once the critic has warmed up.
         with timer("update_critic", metrics):
