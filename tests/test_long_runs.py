@@ -21,10 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--train-batch-size", "8", "--mini-batch-size", "4", "--n", "4", "--test-freq", "100", "--no-val-before-train"]
 
 
-def start_script(*flags, cwd, env=None, algo="grpo"):
+def start_script(*flags, cwd, algo="grpo"):
+    # A session of its own, as a command typed in a terminal has: Ctrl-C reaches its whole process group.
     return subprocess.Popen(
-        [sys.executable, str(ROOT / "algos" / f"{algo}_hybrid.py"), *TINY, *flags], cwd=cwd, env={**os.environ, **(env or {})},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, str(ROOT / "algos" / f"{algo}_hybrid.py"), *TINY, *flags], cwd=cwd,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
 
 
@@ -54,7 +55,7 @@ def wait_for_steps(run_root: Path, steps: int, process, timeout=300):
     raise TimeoutError
 
 
-@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+@pytest.mark.parametrize("algo", ["grpo", "ppo", "dapo"])
 def test_resumed_run_repeats_an_uninterrupted_one_step_for_step(ray_cluster, demo_files, tmp_path, algo):
     (tmp_path / "straight").mkdir()
     code, _, stderr = run_script("--total-steps", "4", "--save-freq", "1", "--keep-last", "2", cwd=tmp_path / "straight", algo=algo)
@@ -74,10 +75,14 @@ def test_resumed_run_repeats_an_uninterrupted_one_step_for_step(ray_cluster, dem
     assert [comparable(r) for r in metric_rows(resumed)] == [comparable(r) for r in metric_rows(straight)]
 
 
-def test_sigterm_saves_a_checkpoint_that_resumes(ray_cluster, demo_files, tmp_path):
+@pytest.mark.parametrize("stop", ["sigterm", "ctrl-c"])
+def test_a_signal_saves_a_checkpoint_that_resumes(ray_cluster, demo_files, tmp_path, stop):
     process = start_script("--total-steps", "500", "--save-freq", "1000", cwd=tmp_path)
     run_dir = wait_for_steps(tmp_path, 2, process)
-    process.send_signal(signal.SIGTERM)
+    if stop == "sigterm":
+        process.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(process.pid, signal.SIGINT)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 0, stderr[-3000:]
     [checkpoint] = complete_checkpoints(run_dir)
