@@ -121,9 +121,13 @@ def time_limit(seconds: float | None):
 
 
 def score(batch: DataProto, tokenizer, reward_fn, timeout: float | None = None) -> tuple[torch.Tensor, dict]:
-    """One scalar score per response. A reward function that raises, or runs past `timeout`
-    seconds, scores 0 and is counted."""
-    texts = tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True)
+    """One scalar score per response of `batch` (see score_texts)."""
+    return score_texts(tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True), batch, reward_fn, timeout)
+
+
+def score_texts(texts: list[str], batch: DataProto, reward_fn, timeout: float | None = None) -> tuple[torch.Tensor, dict]:
+    """One scalar score per decoded response. A reward function that raises, or runs past
+    `timeout` seconds, scores 0 and is counted."""
     scores, errors, timeouts = [], 0, 0
     for text, source, truth, extra in zip(texts, *(batch.non_tensor[k] for k in ("data_source", "ground_truth", "extra_info"))):
         try:
@@ -152,10 +156,10 @@ def validate(policy, val_loader, tokenizer, reward_fn, sampling: dict, n: int = 
         batch = batch.repeat(n, interleave=True)
         generation = dict(sampling, do_sample=True) if n > 1 else dict(max_response_length=sampling["max_response_length"], do_sample=False)
         batch |= policy.scatter("generate", batch.select("prompts", "prompt_mask"), **generation)
-        scores, metrics = score(batch, tokenizer, reward_fn, timeout)
+        responses = tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True)
+        scores, metrics = score_texts(responses, batch, reward_fn, timeout)
         for key, value in metrics.items():
             reward_metrics[key] += value
-        responses = tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True)
         for i, value in enumerate(scores.tolist()):
             source, uid = batch.non_tensor["data_source"][i], batch.non_tensor["uid"][i]
             by_source[source].append(value)
