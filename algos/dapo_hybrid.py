@@ -40,8 +40,14 @@ class Args:
 
     num_workers: int = 2
     """policy processes, one per GPU (per CPU slot without GPUs)"""
-    rollout_engine: Literal["hf"] = "hf"
-    """what generates rollouts: transformers `generate` on the training policy"""
+    rollout_engine: Literal["hf", "vllm"] = "hf"
+    """what generates rollouts: `hf`, transformers' generate on the training policy; `vllm` (GPUs), a vLLM engine in the same process"""
+    rollout_gpu_memory_utilization: float = 0.5
+    """with vllm: the share of each GPU's memory the engine takes for its weights and KV cache while it generates"""
+    lora_merge: bool = False
+    """with vllm and LoRA: send the engine the adapter merged into the weights, instead of the adapter alone"""
+    offload: bool = False
+    """with vllm: move the policy's weights and optimiser state to CPU memory while the engine generates"""
     micro_batch_size: int = 8
     """sequences per forward/backward on one worker (gradient accumulation beyond that)"""
     val_batch_size: int = 256
@@ -92,6 +98,10 @@ class Args:
     """PPO clip range above 1 (clip-higher: wider than below, so unlikely tokens can grow)"""
     clip_ratio_c: float = 10.0
     """dual-clip bound for negative advantages"""
+    tis: bool = False
+    """truncated importance sampling: weight each token's policy loss by pi_old / pi_rollout, for the rollout engine's numerics"""
+    tis_cap: float = 2.0
+    """upper bound of the TIS weight"""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """how per-token losses become one number"""
     kl_loss_coef: float = 0.0
@@ -201,8 +211,14 @@ def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, num_tokens: floa
     raise ValueError(f"unknown loss aggregation '{mode}'")
 
 
-def compute_policy_loss(old_log_prob, log_prob, advantages, mask, clip_low, clip_high, clip_c, agg_mode, num_tokens=None, num_seqs=None):
-    """PPO's clipped surrogate with dual-clip (Ye et al. 2020) for negative advantages."""
+def compute_tis_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, cap: float) -> torch.Tensor:
+    """min(pi_old / pi_rollout, cap) per token: the rollout engine samples from slightly other probabilities
+    than the trainer computes (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training")."""
+    return (old_log_prob - rollout_log_prob).clamp(max=20).exp().clamp(max=cap)
+
+
+def compute_policy_loss(old_log_prob, log_prob, advantages, mask, clip_low, clip_high, clip_c, agg_mode, num_tokens=None, num_seqs=None, tis_weights=None):
+    """PPO's clipped surrogate with dual-clip (Ye et al. 2020) for negative advantages, optionally TIS-weighted."""
     log_ratio = (log_prob - old_log_prob).clamp(-20, 20)
     ratio = log_ratio.exp()
     surrogate = -advantages * ratio
@@ -210,6 +226,8 @@ def compute_policy_loss(old_log_prob, log_prob, advantages, mask, clip_low, clip
     clipped_loss = torch.maximum(surrogate, surrogate_clipped)
     dual_clipped_loss = torch.minimum(clipped_loss, -advantages * clip_c)
     per_token = torch.where(advantages < 0, dual_clipped_loss, clipped_loss)
+    if tis_weights is not None:
+        per_token = per_token * tis_weights
     token_mean = partial(agg_loss, mask=mask, mode="token-mean", num_tokens=num_tokens)
     metrics = {
         "clipfrac": token_mean((surrogate_clipped > surrogate).float()).detach(),
@@ -224,12 +242,15 @@ def actor_loss(batch, outputs, minibatch_tokens, minibatch_seqs, args: Args):
     log_prob, entropy = outputs
     mask = batch["response_mask"]
     aggregate = partial(agg_loss, mask=mask, mode=args.loss_agg_mode, num_tokens=minibatch_tokens, num_seqs=minibatch_seqs)
+    tis_weights = compute_tis_weights(batch["old_log_probs"], batch["rollout_log_probs"], args.tis_cap) if args.tis else None
     pg_loss, metrics = compute_policy_loss(
         batch["old_log_probs"], log_prob, batch["advantages"], mask,
-        args.clip_ratio_low, args.clip_ratio_high, args.clip_ratio_c, args.loss_agg_mode, minibatch_tokens, minibatch_seqs,
+        args.clip_ratio_low, args.clip_ratio_high, args.clip_ratio_c, args.loss_agg_mode, minibatch_tokens, minibatch_seqs, tis_weights,
     )  # fmt: skip
     loss = pg_loss - args.entropy_coef * aggregate(entropy)
     metrics["pg_loss"] = pg_loss.detach()
+    if args.tis:
+        metrics["tis_weight"] = aggregate(tis_weights)  # a token mean under token-mean aggregation
     if args.kl_loss_coef > 0:
         kl = aggregate(kl_penalty(log_prob, batch["ref_log_probs"], args.kl_loss_type))
         loss = loss + args.kl_loss_coef * kl
@@ -283,6 +304,8 @@ if __name__ == "__main__":
         lr_warmup_steps=args.lr_warmup_steps, max_grad_norm=args.max_grad_norm,
         gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         lora_target_modules=args.lora_target_modules, use_reference=args.kl_loss_coef > 0, rollout_engine=args.rollout_engine,
+        rollout_gpu_memory_utilization=args.rollout_gpu_memory_utilization, max_model_len=args.max_prompt_length + args.max_response_length,
+        lora_merge=args.lora_merge, offload=args.offload,
     )  # fmt: skip
     sampling = dict(max_response_length=args.max_response_length, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     log_prob_inputs = ("input_ids", "attention_mask", "position_ids", "responses")
@@ -338,6 +361,9 @@ if __name__ == "__main__":
         # 3. Log-probs of the sampled tokens under the policy that sampled them, and under the reference.
         with timer("old_log_prob", metrics):
             batch |= policy.scatter("compute_log_prob", batch.select(*log_prob_inputs), **log_prob_kwargs)
+        # How far the engine's probabilities of its own samples are from the trainer's (what TIS corrects).
+        logprob_diff = (batch.batch["old_log_probs"] - batch.batch["rollout_log_probs"]).abs()[response_mask.bool()]
+        metrics["rollout/logprob_diff_mean"], metrics["rollout/logprob_diff_max"] = logprob_diff.mean().item(), logprob_diff.max().item()
         if args.kl_loss_coef > 0:
             with timer("ref_log_prob", metrics):
                 batch |= policy.scatter("compute_ref_log_prob", batch.select(*log_prob_inputs), **log_prob_kwargs)
@@ -349,7 +375,10 @@ if __name__ == "__main__":
 
         # 5. Policy update: clipped surrogate + KL loss, over epochs x mini-batches x micro-batches.
         with timer("update", metrics):
-            update_inputs = batch.select(*log_prob_inputs, "response_mask", "old_log_probs", "advantages", *(["ref_log_probs"] if args.kl_loss_coef > 0 else []))
+            update_inputs = batch.select(
+                *log_prob_inputs, "response_mask", "old_log_probs", "advantages",
+                *(["ref_log_probs"] if args.kl_loss_coef > 0 else []), *(["rollout_log_probs"] if args.tis else []),
+            )  # fmt: skip
             actor_metrics = policy.scatter(
                 "update", update_inputs, loss_fn=partial(actor_loss, args=args), temperature=args.temperature,
                 epochs=args.ppo_epochs, mini_batch_size=args.mini_batch_size * args.n, micro_batch_size=args.micro_batch_size,

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from common import weight_sync
 from common.dataproto import DataProto
 
 
@@ -87,7 +88,11 @@ class WorkerGroup:
             for rank in range(self.world_size)
         ]
         master = self.workers[0].master_address.remote()
-        self.broadcast("setup", master, **setup_kwargs)
+        try:
+            self.broadcast("setup", master, **setup_kwargs)
+        except BaseException:
+            self.shutdown()  # give their share of the placement group back
+            raise
 
     def _get(self, refs, method: str) -> list:
         # Wait in completion order so that a dead rank is reported at once, not
@@ -197,6 +202,8 @@ class FSDPWorker:
             model = self._add_lora(model)
         self.model = self._shard(model)
         self._build_optimizer(lr, weight_decay, lr_warmup_steps)
+        if self.rank == 0:
+            print(f"{type(self).__name__}: {self.world_size} x {self.device.type}, attention: {self.attention}")
 
     def _init_distributed(self, master: tuple[str, int], seed: int) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -209,11 +216,13 @@ class FSDPWorker:
         if not dist.is_initialized():
             dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world_size)
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        self.attention = attention_implementation(self.device)
         torch.manual_seed(seed + self.rank)
         np.random.seed(seed + self.rank)
 
     def _load(self, model_path: str):
-        model = self._from_pretrained(model_path, dtype=torch.float32)
+        # fp32 master weights: on a GPU, FSDP2 computes in bf16, which flash-attention needs.
+        model = self._from_pretrained(model_path, dtype=torch.float32, attn_implementation=self.attention)
         # RL compares log-probs of the same tokens across passes: dropout would make
         # the first importance ratio differ from 1.
         for module in model.modules():
@@ -337,6 +346,15 @@ class FSDPWorker:
         return {name: p.full_tensor().cpu() for name, p in self.model.named_parameters()}
 
 
+def attention_implementation(device: torch.device) -> str:
+    """flash-attention 2 where it is installed and the GPU runs it (Ampere or newer), SDPA otherwise."""
+    from transformers.utils import is_flash_attn_2_available
+
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8 and is_flash_attn_2_available():
+        return "flash_attention_2"
+    return "sdpa"
+
+
 def _lora(model, rank: int, alpha: int, target_modules: str, task_type: str, modules_to_save: list[str] | None = None):
     from peft import LoraConfig, get_peft_model
 
@@ -354,6 +372,29 @@ def _response_log_probs(logits: torch.Tensor, responses: torch.Tensor, temperatu
     return token_log_probs, entropy
 
 
+class SampledLogProbs:
+    """A logits processor that records log p(token) of each sampled token, one step at a time.
+
+    Placed before generate's own temperature warper, it sees the model's logits
+    and applies the temperature itself, as the trainer does. Holding only the
+    last step's distribution keeps memory at [batch, vocab], not [batch, steps, vocab].
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature, self.last, self.taken = temperature, None, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.last is not None:  # the last column of input_ids was sampled from the last distribution
+            self.taken.append(self.last.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def log_probs(self, responses: torch.Tensor) -> torch.Tensor:
+        """[batch, steps] log-probs of `responses` (generate's new tokens)."""
+        taken = self.taken + [self.last.gather(-1, responses[:, -1:]).squeeze(-1)]
+        return torch.stack(taken, dim=1)
+
+
 class PolicyWorker(FSDPWorker):
     """The hybrid engine: trainable policy, rollout engine and reference in one process."""
 
@@ -365,12 +406,32 @@ class PolicyWorker(FSDPWorker):
     def _add_lora(self, model):
         return _lora(model, *self.lora_settings, "CAUSAL_LM")
 
-    def setup(self, master, model_path: str, use_reference: bool = True, rollout_engine: str = "hf", **settings) -> None:
-        """The policy (see FSDPWorker.setup), its rollout engine, and the reference."""
+    def setup(
+        self,
+        master,
+        model_path: str,
+        use_reference: bool = True,
+        rollout_engine: str = "hf",
+        rollout_gpu_memory_utilization: float = 0.5,
+        max_model_len: int = 2048,
+        lora_merge: bool = False,
+        offload: bool = False,
+        **settings,
+    ) -> None:
+        """The policy (see FSDPWorker.setup), its rollout engine, and the reference.
+
+        With `rollout_engine="vllm"` (GPU only) a vLLM engine generates; it gets the policy's
+        weights before each generation, the adapter alone with LoRA unless `lora_merge`.
+        `offload` moves the policy's weights and optimiser state to the CPU while vLLM generates.
+        """
         from transformers import AutoTokenizer
 
-        if rollout_engine != "hf":
-            raise ValueError(f"rollout engine '{rollout_engine}' is not available; use 'hf'")
+        if rollout_engine not in ("hf", "vllm"):
+            raise ValueError(f"rollout engine '{rollout_engine}' is not available; use 'hf' or 'vllm'")
+        if rollout_engine == "vllm" and not torch.cuda.is_available():
+            raise ValueError("--rollout-engine vllm needs a GPU on every policy worker; use --rollout-engine hf without GPUs")
+        if rollout_engine == "hf" and (offload or lora_merge):
+            raise ValueError("--offload and --lora-merge act on the vllm engine only; drop them, or add --rollout-engine vllm")
         super().setup(master, model_path, **settings)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # The reference: with LoRA it is this same model with the adapter off.
@@ -382,6 +443,14 @@ class PolicyWorker(FSDPWorker):
         # FSDP2 initialises lazily on the root's first forward; generate needs that done.
         with torch.no_grad():
             self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device))
+        self.lora_merge, self.offload, self.vllm = lora_merge, offload, None
+        if rollout_engine == "vllm":
+            from common.vllm_rollout import VLLMRollout
+
+            adapter_rank = self.lora_settings[0] if self.lora and not lora_merge else 0
+            self.vllm = VLLMRollout(
+                model_path, self.rank, self.world_size, master, settings.get("seed", 1), rollout_gpu_memory_utilization, max_model_len, adapter_rank
+            )
 
     def _eos_token_ids(self) -> list[int]:
         config = getattr(self.model, "generation_config", None)
@@ -393,20 +462,20 @@ class PolicyWorker(FSDPWorker):
         """Sample (or greedily decode) one response per left-padded prompt.
 
         Returns `responses` and `response_mask` (padded to `max_response_length`,
-        the mask covering tokens up to and including the first EOS), and the full
-        sequences as `input_ids`, `attention_mask` and `position_ids`.
+        the mask covering tokens up to and including the first EOS), the
+        engine's own log-prob of each sampled token as `rollout_log_probs`, and
+        the full sequences as `input_ids`, `attention_mask` and `position_ids`.
         """
-        from transformers import GenerationConfig
-
-        self.model.eval()
         prompts = data.batch["prompts"].to(self.device)
         prompt_mask = data.batch["prompt_mask"].to(self.device)
-        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if do_sample else dict(do_sample=False)
-        config = GenerationConfig(max_new_tokens=max_response_length, eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id, **sampling)
-        with unsharded(self.model):
-            output = self.model.generate(input_ids=prompts, attention_mask=prompt_mask, generation_config=config)
-        responses = output[:, prompts.shape[1] :]
-        responses = torch.nn.functional.pad(responses, (0, max_response_length - responses.shape[1]), value=self.pad_token_id)
+        sampling = dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k)
+        if self.vllm is None:
+            responses, rollout_log_probs = self._generate_hf(prompts, prompt_mask, max_response_length, **sampling)
+        else:
+            responses, rollout_log_probs = self._generate_vllm(prompts, prompt_mask, max_response_length, **sampling)
+        pad = (0, max_response_length - responses.shape[1])
+        responses = torch.nn.functional.pad(responses, pad, value=self.pad_token_id)
+        rollout_log_probs = torch.nn.functional.pad(rollout_log_probs, pad)
         is_eos = torch.isin(responses, torch.tensor(self.eos_token_ids, device=self.device))
         response_mask = (is_eos.cumsum(-1) - is_eos.long()) == 0
         responses = responses.masked_fill(~response_mask, self.pad_token_id)
@@ -415,11 +484,73 @@ class PolicyWorker(FSDPWorker):
             {
                 "responses": responses,
                 "response_mask": response_mask.float(),
+                "rollout_log_probs": rollout_log_probs * response_mask,
                 "input_ids": torch.cat([prompts, responses], dim=-1),
                 "attention_mask": attention_mask,
                 "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
             }
         ).to("cpu")
+
+    def _generate_hf(self, prompts, prompt_mask, max_response_length, do_sample, temperature, top_p, top_k):
+        """transformers' generate on the training policy itself, every FSDP unit gathered once."""
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        self.model.eval()
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if do_sample else dict(do_sample=False)
+        config = GenerationConfig(max_new_tokens=max_response_length, eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id, **sampling)
+        recorder = SampledLogProbs(temperature if do_sample else 1.0)
+        with unsharded(self.model):
+            output = self.model.generate(
+                input_ids=prompts, attention_mask=prompt_mask, generation_config=config, logits_processor=LogitsProcessorList([recorder])
+            )
+        responses = output[:, prompts.shape[1] :]
+        return responses, recorder.log_probs(responses)
+
+    def _generate_vllm(self, prompts, prompt_mask, max_response_length, **sampling):
+        """vLLM, woken for the call with the policy's current weights, asleep again after it."""
+        self.vllm.wake_weights()
+        self._sync_weights()
+        if self.offload:
+            self._move_policy("cpu")
+        self.vllm.wake_kv_cache()
+        token_lists = [row[mask.bool()].tolist() for row, mask in zip(prompts, prompt_mask)]
+        tokens, log_probs = self.vllm.generate(token_lists, max_response_length, self.eos_token_ids, **sampling)
+        self.vllm.sleep()
+        if self.offload:
+            self._move_policy(self.device)
+        longest = max(1, max(len(t) for t in tokens))
+        responses = torch.full((len(tokens), longest), self.pad_token_id, dtype=torch.long)
+        rollout_log_probs = torch.zeros(len(tokens), longest)
+        for i, (ids, values) in enumerate(zip(tokens, log_probs)):
+            responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            rollout_log_probs[i, : len(values)] = torch.tensor(values)
+        return responses.to(self.device), rollout_log_probs.to(self.device)
+
+    def _sync_weights(self) -> None:
+        """Send the engine the policy as it is now: the adapter alone, or every weight, one FSDP unit at a time."""
+        if self.lora and not self.lora_merge:
+            self.model.reshard()
+            adapter = {n: p.full_tensor() for n, p in self.model.named_parameters() if weight_sync.is_adapter(n)}
+            self.vllm.load_adapter(weight_sync.adapter_weights(adapter), self.model.peft_config[weight_sync.ADAPTER])
+            return
+        scaling = weight_sync.lora_scaling(self.model) if self.lora else {}
+
+        def engine_weights():
+            for unit in weight_sync.gathered_units(self.model):
+                yield from (weight_sync.merged_weights(unit, scaling) if self.lora else weight_sync.base_weights(unit)).items()
+
+        self.vllm.load_weights(engine_weights())
+
+    def _move_policy(self, device) -> None:
+        """The policy's shards and optimiser state to `device`, freeing the GPU for the engine's KV cache."""
+        self.model.reshard()
+        self.model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and key != "step":
+                    state[key] = value.to(device)
+        if device == "cpu":
+            torch.cuda.empty_cache()
 
     def _forward(self, model, micro: DataProto, temperature: float, with_entropy: bool):
         responses = micro.batch["responses"]

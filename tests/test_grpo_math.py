@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from grpo_hybrid import agg_loss, compute_grpo_advantages, compute_policy_loss, kl_penalty
+import dapo_hybrid
+import ppo_hybrid
+from grpo_hybrid import agg_loss, compute_grpo_advantages, compute_policy_loss, compute_tis_weights, kl_penalty
 
 
 def test_grpo_advantages_normalised_per_group():
@@ -101,3 +103,23 @@ def test_policy_loss_ignores_masked_tokens():
     mask = torch.tensor([[1.0, 0.0, 0.0]])
     loss, _ = compute_policy_loss(old, new, torch.ones(1, 3), mask, 0.2, 0.2, 3.0, "token-mean")
     assert loss.item() == pytest.approx(-min(math.exp(0.1), 1.2))
+
+
+def test_tis_weights_are_capped_importance_ratios():
+    old = torch.tensor([[0.0, -1.0, -2.0, -0.5]])
+    rollout = torch.tensor([[0.0, -2.0, -0.5, -0.6]])
+    weights = compute_tis_weights(old, rollout, cap=2.0)
+    # pi_old / pi_rollout = 1, e (capped to 2), e^-1.5, e^0.1
+    torch.testing.assert_close(weights, torch.tensor([[1.0, 2.0, math.exp(-1.5), math.exp(0.1)]]))
+    for script in (ppo_hybrid, dapo_hybrid):  # forks share it unchanged
+        torch.testing.assert_close(script.compute_tis_weights(old, rollout, cap=2.0), weights)
+
+
+def test_policy_loss_with_tis_weights_each_token():
+    ratio = torch.tensor([[1.5, 0.5, 1.0]])
+    advantages = torch.tensor([[1.0, 1.0, -2.0]])
+    old, mask = torch.zeros(1, 3), torch.ones(1, 3)
+    weights = torch.tensor([[2.0, 0.5, 0.25]])
+    loss, _ = compute_policy_loss(old, ratio.log(), advantages, mask, 0.2, 0.2, 3.0, "token-mean", tis_weights=weights)
+    # per token, unweighted: -1.2 (clipped), -0.5, 2.0
+    assert loss.item() == pytest.approx((2.0 * -1.2 + 0.5 * -0.5 + 0.25 * 2.0) / 3)

@@ -13,7 +13,7 @@ SMALL_RUN = ["--total-steps", "2", "--train-batch-size", "8", "--mini-batch-size
 SHARED_METRICS = [
     "train/reward_mean", "val/accuracy", "val/accuracy/addition", "actor/pg_loss", "actor/entropy", "actor/clipfrac",
     "actor/grad_norm", "actor/lr", "response/length_mean", "response/clip_ratio", "timing/generate", "timing/update",
-    "timing/step", "perf/tokens_per_s", "reward/errors",
+    "timing/step", "perf/tokens_per_s", "reward/errors", "rollout/logprob_diff_mean", "rollout/logprob_diff_max",
 ]  # fmt: skip
 
 
@@ -36,11 +36,14 @@ ALGORITHM_METRICS = {
 }
 
 
+LORA = ["--lora-rank", "8", "--lora-alpha", "16", "--lr", "1e-2"]
+
+
 @pytest.mark.parametrize(
-    "algo, lora", [("grpo", False), ("grpo", True), ("ppo", False), ("ppo", True), ("dapo", False)], ids=["grpo", "grpo-lora", "ppo", "ppo-lora", "dapo"]
-)
-def test_two_steps_with_two_workers(ray_cluster, demo_files, tmp_path, algo, lora):
-    flags = ["--lora-rank", "8", "--lora-alpha", "16", "--lr", "1e-2"] if lora else []
+    "algo, flags", [("grpo", []), ("grpo", LORA), ("ppo", []), ("ppo", LORA + ["--tis"]), ("dapo", ["--tis"])],
+    ids=["grpo", "grpo-lora", "ppo", "ppo-lora-tis", "dapo-tis"],
+)  # fmt: skip
+def test_two_steps_with_two_workers(ray_cluster, demo_files, tmp_path, algo, flags):
     result = run_script(f"{algo}_hybrid.py", *SMALL_RUN, *flags, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir, rows = metrics_of(tmp_path)
@@ -49,8 +52,12 @@ def test_two_steps_with_two_workers(ray_cluster, demo_files, tmp_path, algo, lor
     for name in SHARED_METRICS + ALGORITHM_METRICS[algo]:
         assert name in rows[2], name
     assert rows[2]["actor/grad_norm"] > 0
+    # the hf engine is the trainer's own model: its log-probs differ by float rounding only, so TIS weights are 1
+    assert rows[2]["rollout/logprob_diff_max"] < 1e-4
+    if "--tis" in flags:
+        assert rows[2]["actor/tis_weight"] == pytest.approx(1.0, abs=1e-4)
     assert "held-out accuracy" in result.stdout
-    assert json.loads((run_dir / "config.json").read_text())["lora_rank"] == (8 if lora else 0)
+    assert json.loads((run_dir / "config.json").read_text())["lora_rank"] == (8 if "--lora-rank" in flags else 0)
 
 
 def test_dapo_dynamic_sampling_bound_is_a_clear_error(ray_cluster, demo_files, tmp_path):

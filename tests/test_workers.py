@@ -79,6 +79,18 @@ def test_dispatch_reassembles_log_probs_exactly(policy, prompts, tiny_model):
     assert torch.all(result.batch["entropy"][mask] > 0)
 
 
+def test_rollout_log_probs_are_the_sampling_distribution(policy, prompts):
+    """The engine's own log-prob of each sampled token, at the sampling temperature, equals the trainer's."""
+    batch = prompts.repeat(4)
+    batch |= policy.scatter("generate", batch.select("prompts", "prompt_mask"), max_response_length=4, temperature=2.0)
+    result = policy.scatter("compute_log_prob", batch.select(*LOG_PROB_INPUTS), temperature=2.0, micro_batch_size=4)
+    mask = batch.batch["response_mask"].bool()
+    rollout_log_probs = batch.batch["rollout_log_probs"]
+    torch.testing.assert_close(rollout_log_probs[mask], result.batch["old_log_probs"][mask], rtol=1e-5, atol=1e-5)
+    assert torch.all(rollout_log_probs[~mask] == 0)
+    assert rollout_log_probs[mask].min() < -0.01  # sampled, not all certain
+
+
 def test_update_matches_one_process_for_any_micro_batch(policy, prompts, tiny_model, tmp_path):
     """Gradient accumulation over micro-batches and 2 ranks gives the whole mini-batch's token-mean gradient."""
     batch = rollout(policy, prompts[:4], n=2)  # 8 sequences
@@ -188,3 +200,14 @@ def test_validation_with_n_samples_reports_mean_and_pass_at_n(policy, demo_files
     assert metrics["val/pass@4"] >= metrics["val/mean@4"]
     greedy, greedy_samples = validate(policy, loader, tokenizer, default_reward, sampling, n=1)
     assert len(greedy_samples) == 6 and "val/pass@1" not in greedy
+
+
+@pytest.mark.parametrize("flag", ["offload", "lora_merge"])
+def test_vllm_only_settings_are_refused_with_the_hf_engine(cpu_pool, tiny_model, flag):
+    with pytest.raises(Exception, match="act on the vllm engine only"):
+        WorkerGroup(PolicyWorker, cpu_pool, "bad", model_path=tiny_model, **{flag: True})
+
+
+def test_vllm_engine_needs_a_gpu(cpu_pool, tiny_model):
+    with pytest.raises(Exception, match="--rollout-engine vllm needs a GPU"):
+        WorkerGroup(PolicyWorker, cpu_pool, "bad", model_path=tiny_model, rollout_engine="vllm")

@@ -1,0 +1,82 @@
+"""The policy's weights as a rollout engine loads them, gathered from FSDP2 one layer at a time.
+
+A sharded policy holds 1/N of every weight on each rank. The engine needs
+whole tensors under the names of the model's own checkpoint, and, with LoRA,
+either the adapter (named as PEFT saves it) or the adapter merged into the
+base weights. Gathering one FSDP unit (a decoder layer, then the root's
+embeddings, norm and head) at a time keeps at most one layer whole on a
+device, never the whole model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+ADAPTER = "default"  # the name PEFT gives an adapter it creates
+
+
+def gathered_units(model) -> Iterator[dict[str, torch.Tensor]]:
+    """Each FSDP unit's own parameters, whole, keyed by their names in `model` (a collective: call every rank).
+
+    The tensors are views of the gathered storage and are valid until the
+    next unit is requested: copy or consume them before then.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    unit_names = {module: name for name, module in model.named_modules() if isinstance(module, FSDPModule)}
+    prefixes = sorted(unit_names.values(), key=len, reverse=True)
+    owned = {prefix: [] for prefix in prefixes}
+    for name, _ in model.named_parameters():
+        owner = next(p for p in prefixes if p == "" or name.startswith(p + "."))
+        owned[owner].append(name)
+    model.reshard()  # FSDP2 keeps the root gathered after a forward
+    for unit, prefix in sorted(unit_names.items(), key=lambda item: item[1] == ""):
+        unit.unshard()
+        try:
+            yield {name: model.get_parameter(name).detach() for name in owned[prefix]}
+        finally:
+            unit.reshard()
+
+
+def engine_name(name: str) -> str:
+    """The checkpoint name of a policy parameter: without PEFT's wrapper prefix and `base_layer`."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def is_adapter(name: str) -> bool:
+    return f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name
+
+
+def base_weights(unit: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The base model's weights in one unit, adapters left out (the engine loaded them once from disk)."""
+    return {engine_name(name): tensor for name, tensor in unit.items() if not is_adapter(name)}
+
+
+def merged_weights(unit: dict[str, torch.Tensor], lora_scaling: dict[str, float]) -> dict[str, torch.Tensor]:
+    """The base weights with each adapter merged in: W + scaling * B @ A.
+
+    `lora_scaling` maps each adapted module's name to its alpha / r.
+    """
+    merged = base_weights(unit)
+    for module, scaling in lora_scaling.items():
+        weight = f"{module}.base_layer.weight"
+        if weight not in unit:
+            continue
+        lora_a, lora_b = unit[f"{module}.lora_A.{ADAPTER}.weight"], unit[f"{module}.lora_B.{ADAPTER}.weight"]
+        delta = (lora_b.float() @ lora_a.float()) * scaling
+        merged[engine_name(weight)] = (unit[weight].float() + delta).to(unit[weight].dtype)
+    return merged
+
+
+def adapter_weights(unit: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter's weights in one unit, named as in a saved PEFT adapter (no adapter name)."""
+    return {name.replace(f".{ADAPTER}.", "."): tensor for name, tensor in unit.items() if is_adapter(name)}
+
+
+def lora_scaling(model) -> dict[str, float]:
+    """alpha / r of every LoRA-adapted module of a PEFT model, by module name."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: module.scaling[ADAPTER] for name, module in model.named_modules() if isinstance(module, LoraLayer)}
