@@ -64,12 +64,13 @@ class ScriptedEngine(RecordingEngine):
 
 
 class SyncProbe(PolicyWorker):
-    def perturb_adapter(self) -> None:
-        """LoRA's B starts at zero, which would make any merge look right."""
+    def perturb(self, name_part: str) -> None:
+        """Move the parameters whose names contain `name_part` off their initial values (each rank its own shard)."""
         generator = torch.Generator().manual_seed(self.rank)
+        self.model.reshard()  # the root stays gathered after a forward
         with torch.no_grad():
             for name, param in self.model.named_parameters():
-                if "lora_B" in name:
+                if name_part in name:
                     local = param.to_local()
                     local.copy_(torch.randn(local.shape, generator=generator))
 
@@ -95,10 +96,12 @@ def hf_model(path):
 def test_full_weights_are_gathered_one_unit_at_a_time_under_checkpoint_names(cpu_pool, tiny_model):
     probe = WorkerGroup(SyncProbe, cpu_pool, "probe", model_path=tiny_model)
     try:
+        probe.broadcast("perturb", "")  # as after training: no weight equals what the checkpoint holds
+        expected = probe.rank0("full_state_dict")
         rank0, rank1 = probe.broadcast("sync", lora_merge=False)
     finally:
         probe.shutdown()
-    expected = dict(hf_model(tiny_model).named_parameters())  # the names vLLM's load_weights reads
+    assert set(expected) == {name for name, _ in hf_model(tiny_model).named_parameters()}  # the names vLLM's load_weights reads
     assert set(rank0["weights"]) == set(expected)
     for name, tensor in expected.items():
         torch.testing.assert_close(rank0["weights"][name], tensor, rtol=0, atol=0)
@@ -114,7 +117,7 @@ def test_full_weights_are_gathered_one_unit_at_a_time_under_checkpoint_names(cpu
 @pytest.fixture(scope="module")
 def lora_probe(cpu_pool, tiny_model):
     group = WorkerGroup(SyncProbe, cpu_pool, "lora_probe", model_path=tiny_model, lora_rank=4, lora_alpha=8)
-    group.broadcast("perturb_adapter")
+    group.broadcast("perturb", "lora_B")  # B starts at zero, which would make any merge look right
     yield group
     group.shutdown()
 
