@@ -22,6 +22,15 @@ import torch
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
+def write_adapter(path: str, tensors: dict[str, torch.Tensor], peft_config) -> None:
+    """A PEFT adapter folder, as vLLM loads adapters: adapter_config.json and adapter_model.safetensors."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path)
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, os.path.join(path, "adapter_model.safetensors"))
+    peft_config.save_pretrained(path)
+
+
 class VLLMRollout:
     def __init__(
         self,
@@ -80,14 +89,11 @@ class VLLMRollout:
 
     def load_adapter(self, tensors: dict[str, torch.Tensor], peft_config) -> None:
         """Serve this adapter from now on: written as a PEFT folder, loaded under a new id, the old one dropped."""
-        from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
         version = 1 if self.lora_request is None else self.lora_request.lora_int_id + 1
         path = os.path.join(self.adapter_dir, str(version))
-        os.makedirs(path)
-        save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, os.path.join(path, "adapter_model.safetensors"))
-        peft_config.save_pretrained(path)
+        write_adapter(path, tensors, peft_config)
         request = LoRARequest(lora_name=f"policy_v{version}", lora_int_id=version, lora_path=path)
         self.llm.llm_engine.add_lora(request)
         if self.lora_request is not None:

@@ -148,3 +148,28 @@ def test_sleep_frees_and_wake_restores_memory(gpu_pool, gpu_model):
         assert asleep - awake > 0.15 * total
     finally:
         policy.shutdown()
+
+
+def test_vllm_reads_the_adapter_folder_the_worker_writes(tiny_model, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from vllm.config.lora import LoRAConfig
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    from common import weight_sync
+    from common.vllm_rollout import VLLM_LORA_RANKS, write_adapter
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), config)
+    adapter = {name: p.detach() for name, p in model.named_parameters() if weight_sync.is_adapter(name)}
+    write_adapter(str(tmp_path / "adapter"), weight_sync.adapter_weights(adapter), model.peft_config["default"])
+
+    helper = PEFTHelper.from_local_dir(str(tmp_path / "adapter"), max_position_embeddings=128)
+    helper.validate_legal(LoRAConfig(max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= 4), max_loras=1))
+    qwen2_modules = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    lora = LoRAModel.from_local_checkpoint(
+        str(tmp_path / "adapter"), qwen2_modules, peft_helper=helper, lora_model_id=1, device="cpu", dtype=torch.float32, model_vocab_size=model.config.vocab_size
+    )
+    assert len(lora.loras) == 7 * 2 and lora.rank == 4
+    assert lora.loras["model.layers.0.self_attn.q_proj"].scaling == 2.0  # alpha / r
