@@ -234,6 +234,8 @@ def compute_policy_loss(old_log_prob, log_prob, advantages, mask, clip_low, clip
         "clipfrac_dual": token_mean(((clipped_loss > -advantages * clip_c) & (advantages < 0)).float()).detach(),
         "approx_kl": token_mean(-log_ratio).detach(),
     }
+    if tis_weights is not None:
+        metrics["tis_weight"] = token_mean(tis_weights).detach()
     return agg_loss(per_token, mask, agg_mode, num_tokens, num_seqs), metrics
 
 
@@ -249,8 +251,6 @@ def actor_loss(batch, outputs, minibatch_tokens, minibatch_seqs, args: Args):
     )  # fmt: skip
     loss = pg_loss - args.entropy_coef * aggregate(entropy)
     metrics["pg_loss"] = pg_loss.detach()
-    if args.tis:
-        metrics["tis_weight"] = aggregate(tis_weights)  # a token mean under token-mean aggregation
     if args.kl_loss_coef > 0:
         kl = aggregate(kl_penalty(log_prob, batch["ref_log_probs"], args.kl_loss_type))
         loss = loss + args.kl_loss_coef * kl

@@ -120,6 +120,7 @@ def test_policy_loss_with_tis_weights_each_token():
     advantages = torch.tensor([[1.0, 1.0, -2.0]])
     old, mask = torch.zeros(1, 3), torch.ones(1, 3)
     weights = torch.tensor([[2.0, 0.5, 0.25]])
-    loss, _ = compute_policy_loss(old, ratio.log(), advantages, mask, 0.2, 0.2, 3.0, "token-mean", tis_weights=weights)
+    loss, metrics = compute_policy_loss(old, ratio.log(), advantages, mask, 0.2, 0.2, 3.0, "token-mean", tis_weights=weights)
     # per token, unweighted: -1.2 (clipped), -0.5, 2.0
     assert loss.item() == pytest.approx((2.0 * -1.2 + 0.5 * -0.5 + 0.25 * 2.0) / 3)
+    assert metrics["tis_weight"].item() == pytest.approx((2.0 + 0.5 + 0.25) / 3)
