@@ -70,9 +70,9 @@ def merged_weights(unit: dict[str, torch.Tensor], lora_scaling: dict[str, float]
     return merged
 
 
-def adapter_weights(unit: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The adapter's weights in one unit, named as in a saved PEFT adapter (no adapter name)."""
-    return {name.replace(f".{ADAPTER}.", "."): tensor for name, tensor in unit.items() if is_adapter(name)}
+def adapter_weights(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter's weights among `params`, named as in a saved PEFT adapter (no adapter name)."""
+    return {name.replace(f".{ADAPTER}.", "."): tensor for name, tensor in params.items() if is_adapter(name)}
 
 
 def lora_scaling(model) -> dict[str, float]:
