@@ -49,8 +49,10 @@ class VLLMRollout:
         # What external-launcher mode reads to place this process; the group itself already exists.
         addr, port = master
         os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR=addr, MASTER_PORT=str(port))
-        max_lora_rank = min((r for r in VLLM_LORA_RANKS if r >= lora_rank), default=lora_rank)
-        lora = dict(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1) if lora_rank else {}
+        lora = {}
+        if lora_rank:
+            max_lora_rank = min((r for r in VLLM_LORA_RANKS if r >= lora_rank), default=lora_rank)
+            lora = dict(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
         self.llm = LLM(
             model=model_path,
             tensor_parallel_size=1,

@@ -543,8 +543,7 @@ class PolicyWorker(FSDPWorker):
 
     def _move_policy(self, device) -> None:
         """The policy's shards and optimiser state to `device`, freeing the GPU for the engine's KV cache."""
-        self.model.reshard()
-        self.model.to(device)
+        self.model.to(device)  # FSDP2 reshards before it moves
         for state in self.optimizer.state.values():
             for key, value in state.items():
                 if torch.is_tensor(value) and key != "step":

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 from common.workers import PolicyWorker, WorkerGroup, attention_implementation
+from test_workers import local_model
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -87,12 +88,6 @@ class SyncProbe(PolicyWorker):
         return output, engine.calls, engine.prompts
 
 
-def hf_model(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-
-
 def test_full_weights_are_gathered_one_unit_at_a_time_under_checkpoint_names(cpu_pool, tiny_model):
     probe = WorkerGroup(SyncProbe, cpu_pool, "probe", model_path=tiny_model)
     try:
@@ -101,7 +96,7 @@ def test_full_weights_are_gathered_one_unit_at_a_time_under_checkpoint_names(cpu
         rank0, rank1 = probe.broadcast("sync", lora_merge=False)
     finally:
         probe.shutdown()
-    assert set(expected) == {name for name, _ in hf_model(tiny_model).named_parameters()}  # the names vLLM's load_weights reads
+    assert set(expected) == {name for name, _ in local_model(tiny_model).named_parameters()}  # the names vLLM's load_weights reads
     assert set(rank0["weights"]) == set(expected)
     for name, tensor in expected.items():
         torch.testing.assert_close(rank0["weights"][name], tensor, rtol=0, atol=0)
@@ -125,7 +120,7 @@ def lora_probe(cpu_pool, tiny_model):
 def lora_model(tiny_model, state):
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(hf_model(tiny_model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM"))
+    model = get_peft_model(local_model(tiny_model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM"))
     result = model.load_state_dict(state, strict=False)
     assert result.missing_keys == ["base_model.model.lm_head.weight"] and not result.unexpected_keys  # tied to the embeddings
     return model
@@ -136,10 +131,10 @@ def test_merged_sync_equals_peft_merge(lora_probe, tiny_model):
     sent = lora_probe.broadcast("sync", lora_merge=True)[0]["weights"]
     merged = dict(lora_model(tiny_model, state).merge_and_unload().named_parameters())
     assert set(sent) == set(merged)
-    changed = 0
+    base, changed = local_model(tiny_model), 0
     for name, tensor in merged.items():
         torch.testing.assert_close(sent[name], tensor, rtol=1e-5, atol=1e-6)
-        changed += not torch.equal(tensor, hf_model(tiny_model).get_parameter(name))
+        changed += not torch.equal(tensor, base.get_parameter(name))
     assert changed >= 7 * 2  # every adapted linear of both layers moved
 
 
