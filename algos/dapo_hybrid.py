@@ -41,13 +41,17 @@ class Args:
     num_workers: int = 2
     """policy processes, one per GPU (per CPU slot without GPUs)"""
     rollout_engine: Literal["hf", "vllm"] = "hf"
-    """what generates rollouts: `hf`, transformers' generate on the training policy; `vllm` (GPUs), a vLLM engine in the same process"""
+    """what generates rollouts: `hf`, transformers' generate on the policy itself; `vllm`, a vLLM engine in its process"""
+    rollout_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """with vllm: what the engine computes in (the trainer keeps fp32 weights; TIS corrects the gap)"""
     rollout_gpu_memory_utilization: float = 0.5
-    """with vllm: the share of each GPU's memory the engine takes for its weights and KV cache while it generates"""
+    """with vllm on GPUs: the share of each GPU's memory the engine takes for its weights and KV cache"""
     lora_merge: bool = False
     """with vllm and LoRA: send the engine the adapter merged into the weights, instead of the adapter alone"""
     offload: bool = False
     """with vllm: move the policy's weights and optimiser state to CPU memory while the engine generates"""
+    max_rollout_logprob_diff: float = 0.1
+    """stop when the engine's log-probs of its samples differ from the trainer's by more than this per token (0: never)"""
     micro_batch_size: int = 8
     """sequences per forward/backward on one worker (gradient accumulation beyond that)"""
     val_batch_size: int = 256
@@ -271,9 +275,11 @@ if __name__ == "__main__":
     from common.dataproto import DataProto
     from common.rewards import check_data_sources, load_reward_fn, score, validate
     from common.tracking import Tracker, timer
-    from common.workers import PolicyWorker, ResourcePool, WorkerGroup, init_ray
+    from common.vllm_rollout import check_rollout_engine
+    from common.workers import PolicyWorker, ResourcePool, WorkerGroup, init_ray, rollout_logprob_gap
 
     args = tyro.cli(Args)
+    check_rollout_engine(args.rollout_engine, args.top_p, args.top_k)
     if args.model_path is None:
         args = demo.apply(Args, lr=5e-4, max_prompt_length=8, max_response_length=4, micro_batch_size=256, n=16, train_batch_size=32, mini_batch_size=8, total_steps=150, gen_batch_size=96, max_gen_batches=30)
     torch.manual_seed(args.seed)
@@ -304,8 +310,8 @@ if __name__ == "__main__":
         lr_warmup_steps=args.lr_warmup_steps, max_grad_norm=args.max_grad_norm,
         gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         lora_target_modules=args.lora_target_modules, use_reference=args.kl_loss_coef > 0, rollout_engine=args.rollout_engine,
-        rollout_gpu_memory_utilization=args.rollout_gpu_memory_utilization, max_model_len=args.max_prompt_length + args.max_response_length,
-        lora_merge=args.lora_merge, offload=args.offload,
+        rollout_dtype=args.rollout_dtype, rollout_gpu_memory_utilization=args.rollout_gpu_memory_utilization,
+        max_model_len=args.max_prompt_length + args.max_response_length, lora_merge=args.lora_merge, offload=args.offload,
     )  # fmt: skip
     sampling = dict(max_response_length=args.max_response_length, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     log_prob_inputs = ("input_ids", "attention_mask", "position_ids", "responses")
@@ -361,9 +367,9 @@ if __name__ == "__main__":
         # 3. Log-probs of the sampled tokens under the policy that sampled them, and under the reference.
         with timer("old_log_prob", metrics):
             batch |= policy.scatter("compute_log_prob", batch.select(*log_prob_inputs), **log_prob_kwargs)
-        # How far the engine's probabilities of its own samples are from the trainer's (what TIS corrects).
-        logprob_diff = (batch.batch["old_log_probs"] - batch.batch["rollout_log_probs"]).abs()[response_mask.bool()]
-        metrics["rollout/logprob_diff_mean"], metrics["rollout/logprob_diff_max"] = logprob_diff.mean().item(), logprob_diff.max().item()
+        # How far the engine's probabilities of its own samples are from the trainer's (what TIS corrects); a gap
+        # that numerics cannot explain stops the run: the engine would be sampling from other weights.
+        metrics |= rollout_logprob_gap(batch, args.max_rollout_logprob_diff)
         if args.kl_loss_coef > 0:
             with timer("ref_log_prob", metrics):
                 batch |= policy.scatter("compute_ref_log_prob", batch.select(*log_prob_inputs), **log_prob_kwargs)

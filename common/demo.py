@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-CACHE_VERSION = "demo-v1"
+CACHE_VERSION = "demo-v2"
 DEMO_SEED = 0
 WARM_START_STEPS = 150
 WARM_START_LR = 3e-3
@@ -48,8 +48,9 @@ def build_tiny_model(path: str) -> None:
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        # head size 32: the smallest vLLM's CPU attention takes
+        num_attention_heads=2,
+        num_key_value_heads=1,
         max_position_embeddings=128,
         tie_word_embeddings=True,
         pad_token_id=vocab["<pad>"],

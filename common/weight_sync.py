@@ -28,7 +28,9 @@ def gathered_units(model) -> Iterator[dict[str, torch.Tensor]]:
     unit_names = {module: name for name, module in model.named_modules() if isinstance(module, FSDPModule)}
     prefixes = sorted(unit_names.values(), key=len, reverse=True)
     owned = {prefix: [] for prefix in prefixes}
-    for name, _ in model.named_parameters():
+    # A tied weight under each of its names (the embeddings as lm_head too): an engine that reloads layer by
+    # layer, as vLLM does, keeps its old copy in a layer that receives nothing.
+    for name, _ in model.named_parameters(remove_duplicate=False):
         owner = next(p for p in prefixes if p == "" or name.startswith(p + "."))
         owned[owner].append(name)
     model.reshard()  # FSDP2 keeps the root gathered after a forward
@@ -50,8 +52,12 @@ def is_adapter(name: str) -> bool:
 
 
 def base_weights(unit: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The base model's weights in one unit, adapters left out (the engine loaded them once from disk)."""
-    return {engine_name(name): tensor for name, tensor in unit.items() if not is_adapter(name)}
+    """Copies of the base model's weights in one unit, adapters left out (the engine loaded them once from disk).
+
+    Copies, since the engine may keep a tensor past the next unit: vLLM defers a layer whose
+    parameter it pads (the vocabulary embedding) until every weight has arrived.
+    """
+    return {engine_name(name): tensor.clone() for name, tensor in unit.items() if not is_adapter(name)}
 
 
 def merged_weights(unit: dict[str, torch.Tensor], lora_scaling: dict[str, float]) -> dict[str, torch.Tensor]:

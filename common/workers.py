@@ -57,11 +57,11 @@ class ResourcePool:
     def __init__(self, num_workers: int, use_gpu: bool, max_colocated: int = 1):
         need = {"GPU" if use_gpu else "CPU": num_workers}
         have = ray.cluster_resources()
-        for resource, count in need.items():
-            if have.get(resource, 0) < count:
+        for kind, count in need.items():
+            if have.get(kind, 0) < count:
                 raise ValueError(
-                    f"--num-workers {num_workers} needs {count} {resource}s but the Ray cluster has "
-                    f"{int(have.get(resource, 0))}; lower --num-workers or add nodes"
+                    f"--num-workers {num_workers} needs {count} {kind}s but the Ray cluster has "
+                    f"{int(have.get(kind, 0))}; lower --num-workers or add nodes"
                 )
         self.num_workers, self.use_gpu, self.max_colocated = num_workers, use_gpu, max_colocated
         bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
@@ -84,7 +84,7 @@ class WorkerGroup:
                 num_cpus=share,
                 num_gpus=share if pool.use_gpu else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pool.placement_group, placement_group_bundle_index=rank),
-            ).remote(rank, self.world_size)
+            ).remote(rank, self.world_size, pool.use_gpu)
             for rank in range(self.world_size)
         ]
         master = self.workers[0].master_address.remote()
@@ -128,8 +128,15 @@ class WorkerGroup:
         return results
 
     def shutdown(self) -> None:
+        """Kill every rank and wait until each is gone, so that the next group finds its memory free
+        (a vLLM engine checks that free memory did not change while it measures its own)."""
         for worker in self.workers:
             ray.kill(worker)
+        for worker in self.workers:
+            try:
+                ray.get(worker.__ray_ready__.remote())
+            except ray.exceptions.RayActorError:
+                pass
 
 
 # --------------------------------------------------------------------------- FSDP2 workers
@@ -170,8 +177,10 @@ def unsharded(model):
 class FSDPWorker:
     """What the policy and the critic share: distributed setup, FSDP2 sharding, optimisation."""
 
-    def __init__(self, rank: int, world_size: int):
+    def __init__(self, rank: int, world_size: int, use_gpu: bool):
+        # The pool decides, not torch.cuda.is_available(): recent Ray no longer hides the GPUs from CPU-only actors.
         self.rank, self.world_size = rank, world_size
+        self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
 
     def master_address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), _free_port()
@@ -208,9 +217,10 @@ class FSDPWorker:
     def _init_distributed(self, master: tuple[str, int], seed: int) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            if not torch.cuda.is_bf16_supported():
+                raise ValueError(f"{torch.cuda.get_device_name()} has no bf16, which training and the vllm engine compute in")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         addr, port = master
         if not dist.is_initialized():
@@ -347,12 +357,16 @@ class FSDPWorker:
 
 
 def attention_implementation(device: torch.device) -> str:
-    """flash-attention 2 where it is installed and the GPU runs it (Ampere or newer), SDPA otherwise."""
+    """flash-attention 2 where its kernel loads and the GPU runs it (Ampere or newer), SDPA otherwise."""
     from transformers.utils import is_flash_attn_2_available
 
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8 and is_flash_attn_2_available():
-        return "flash_attention_2"
-    return "sdpa"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 8 or not is_flash_attn_2_available():
+        return "sdpa"
+    try:  # the compiled kernel: a build against another torch fails to load here, not at install
+        import flash_attn_2_cuda  # noqa: F401
+    except ImportError:
+        return "sdpa"
+    return "flash_attention_2"
 
 
 def _lora(model, rank: int, alpha: int, target_modules: str, task_type: str, modules_to_save: list[str] | None = None):
@@ -412,6 +426,7 @@ class PolicyWorker(FSDPWorker):
         model_path: str,
         use_reference: bool = True,
         rollout_engine: str = "hf",
+        rollout_dtype: str = "bfloat16",
         rollout_gpu_memory_utilization: float = 0.5,
         max_model_len: int = 2048,
         lora_merge: bool = False,
@@ -420,18 +435,18 @@ class PolicyWorker(FSDPWorker):
     ) -> None:
         """The policy (see FSDPWorker.setup), its rollout engine, and the reference.
 
-        With `rollout_engine="vllm"` (GPU only) a vLLM engine generates; it gets the policy's
-        weights before each generation, the adapter alone with LoRA unless `lora_merge`.
+        With `rollout_engine="vllm"` a vLLM engine generates, computing in `rollout_dtype`; it gets the
+        policy's weights before each generation, the adapter alone with LoRA unless `lora_merge`.
         `offload` moves the policy's weights and optimiser state to the CPU while vLLM generates.
         """
         from transformers import AutoTokenizer
 
         if rollout_engine not in ("hf", "vllm"):
             raise ValueError(f"rollout engine '{rollout_engine}' is not available; use 'hf' or 'vllm'")
-        if rollout_engine == "vllm" and not torch.cuda.is_available():
-            raise ValueError("--rollout-engine vllm needs a GPU on every policy worker; use --rollout-engine hf without GPUs")
         if rollout_engine == "hf" and (offload or lora_merge):
             raise ValueError("--offload and --lora-merge act on the vllm engine only; drop them, or add --rollout-engine vllm")
+        if offload and self.device.type == "cpu":
+            raise ValueError("--offload frees GPU memory for the vllm engine; drop it on CPUs")
         super().setup(master, model_path, **settings)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # The reference: with LoRA it is this same model with the adapter off.
@@ -449,7 +464,16 @@ class PolicyWorker(FSDPWorker):
 
             adapter_rank = self.lora_settings[0] if self.lora and not lora_merge else 0
             self.vllm = VLLMRollout(
-                model_path, self.rank, self.world_size, master, settings.get("seed", 1), rollout_gpu_memory_utilization, max_model_len, adapter_rank
+                model_path,
+                self.rank,
+                self.world_size,
+                master,
+                seed=settings.get("seed", 1),
+                on_gpu=self.device.type == "cuda",
+                dtype=getattr(torch, rollout_dtype),
+                gpu_memory_utilization=rollout_gpu_memory_utilization,
+                max_model_len=max_model_len,
+                lora_rank=adapter_rank,
             )
 
     def _eos_token_ids(self) -> list[int]:
@@ -529,17 +553,21 @@ class PolicyWorker(FSDPWorker):
     def _sync_weights(self) -> None:
         """Send the engine the policy as it is now: the adapter alone, or every weight, one FSDP unit at a time."""
         if self.lora and not self.lora_merge:
-            self.model.reshard()
-            adapter = {n: p.full_tensor() for n, p in self.model.named_parameters() if weight_sync.is_adapter(n)}
-            self.vllm.load_adapter(weight_sync.adapter_weights(adapter), self.model.peft_config[weight_sync.ADAPTER])
-            return
+            self.vllm.load_adapter(self._engine_adapter(), self.model.peft_config[weight_sync.ADAPTER])
+        else:
+            self.vllm.load_weights(self._engine_weights())
+
+    def _engine_adapter(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter, whole, named as PEFT saves it (a collective: call every rank)."""
+        self.model.reshard()
+        adapter = {n: p.full_tensor() for n, p in self.model.named_parameters() if weight_sync.is_adapter(n)}
+        return weight_sync.adapter_weights(adapter)
+
+    def _engine_weights(self):
+        """(checkpoint name, tensor) of every weight, LoRA merged in, gathered one FSDP unit at a time (a collective)."""
         scaling = weight_sync.lora_scaling(self.model) if self.lora else {}
-
-        def engine_weights():
-            for unit in weight_sync.gathered_units(self.model):
-                yield from (weight_sync.merged_weights(unit, scaling) if self.lora else weight_sync.base_weights(unit)).items()
-
-        self.vllm.load_weights(engine_weights())
+        for unit in weight_sync.gathered_units(self.model):
+            yield from (weight_sync.merged_weights(unit, scaling) if self.lora else weight_sync.base_weights(unit)).items()
 
     def _move_policy(self, device) -> None:
         """The policy's shards and optimiser state to `device`, freeing the GPU for the engine's KV cache."""
@@ -647,3 +675,22 @@ class CriticWorker(FSDPWorker):
     def update(self, data: DataProto, loss_fn, epochs: int, mini_batch_size: int, micro_batch_size: int) -> dict:
         """Regress values with the script's `loss_fn(micro_batch, values, ...)`."""
         return self._update(data, loss_fn, self._forward, epochs, mini_batch_size, micro_batch_size)
+
+
+def rollout_logprob_gap(batch: DataProto, bound: float) -> dict:
+    """How far the engine's log-probs of its own samples are from the trainer's, per token: mean and max.
+
+    Float rounding and the engine's other kernels explain a small gap. A mean gap above `bound`
+    (0: no bound) means the engine samples from other weights than the policy's, stale or never
+    loaded, and stops the run before it trains on those samples.
+    """
+    gap = (batch.batch["old_log_probs"] - batch.batch["rollout_log_probs"]).abs()[batch.batch["response_mask"].bool()]
+    mean = gap.mean().item()
+    if bound and mean > bound:
+        raise RuntimeError(
+            f"the rollout engine does not hold the policy's weights: its log-probs of its own samples differ from the "
+            f"trainer's by {mean:.3g} per token on average, beyond --max-rollout-logprob-diff {bound}. Look in the workers' "
+            "log for weights the engine did not receive; with LoRA, check that the engine serves the adapter, or send "
+            "merged weights with --lora-merge. Raise the bound only for an engine that computes in lower precision."
+        )
+    return {"rollout/logprob_diff_mean": mean, "rollout/logprob_diff_max": gap.max().item()}

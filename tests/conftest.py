@@ -51,3 +51,11 @@ def tokenizer(tiny_model):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def prompts(demo_files, tokenizer):
+    """Five demo prompts, left-padded."""
+    from common.data import collate, load_prompts
+
+    return collate(load_prompts([demo_files[1]], tokenizer, max_prompt_length=8)[:5], tokenizer.pad_token_id)

@@ -217,8 +217,12 @@ def test_a_hanging_reward_is_cut_off(tokenizer):
         (["--train-batch-size", "128", "--mini-batch-size", "64"], "a batch of 128 prompts is larger than the dataset (100 prompts)"),
         (["--num-workers", "3"], "does not split evenly over --num-workers 3"),
         (["--train-batch-size", "8", "--mini-batch-size", "3"], "--train-batch-size 8 is not a multiple of --mini-batch-size 3"),
+        (["--rollout-engine", "vllm", "--top-p", "0.9"], "--rollout-engine vllm samples from the whole distribution here"),
     ],
-    ids=["missing-file", "empty-file", "long-prompt", "batch-larger-than-data", "indivisible-workers", "indivisible-mini-batch"],
+    ids=[
+        "missing-file", "empty-file", "long-prompt", "batch-larger-than-data", "indivisible-workers", "indivisible-mini-batch",
+        "vllm-top-p",
+    ],
 )
 def test_bad_input_stops_before_any_worker(demo_files, tmp_path, flags, message):
     (tmp_path / "empty.jsonl").write_text("")

@@ -37,11 +37,16 @@ ALGORITHM_METRICS = {
 
 
 LORA = ["--lora-rank", "8", "--lora-alpha", "16", "--lr", "1e-2"]
+VLLM_FP32 = ["--rollout-engine", "vllm", "--rollout-dtype", "float32"]  # the trainer's precision on the CPU
 
 
 @pytest.mark.parametrize(
-    "algo, flags", [("grpo", []), ("grpo", LORA), ("ppo", []), ("ppo", LORA + ["--tis"]), ("dapo", ["--tis"])],
-    ids=["grpo", "grpo-lora", "ppo", "ppo-lora-tis", "dapo-tis"],
+    "algo, flags",
+    [
+        ("grpo", []), ("grpo", LORA), ("ppo", []), ("ppo", LORA + ["--tis"]), ("dapo", ["--tis"]),
+        ("grpo", VLLM_FP32), ("ppo", VLLM_FP32 + LORA + ["--lora-merge"]), ("dapo", VLLM_FP32 + ["--tis"]),
+    ],
+    ids=["grpo", "grpo-lora", "ppo", "ppo-lora-tis", "dapo-tis", "grpo-vllm", "ppo-vllm-lora-merge", "dapo-vllm-tis"],
 )  # fmt: skip
 def test_two_steps_with_two_workers(ray_cluster, demo_files, tmp_path, algo, flags):
     result = run_script(f"{algo}_hybrid.py", *SMALL_RUN, *flags, cwd=tmp_path)
@@ -52,7 +57,7 @@ def test_two_steps_with_two_workers(ray_cluster, demo_files, tmp_path, algo, fla
     for name in SHARED_METRICS + ALGORITHM_METRICS[algo]:
         assert name in rows[2], name
     assert rows[2]["actor/grad_norm"] > 0
-    # the hf engine is the trainer's own model: its log-probs differ by float rounding only, so TIS weights are 1
+    # both engines compute in fp32 here, as the trainer does: log-probs differ by float rounding only, so TIS weights are 1
     assert rows[2]["rollout/logprob_diff_max"] < 1e-4
     if "--tis" in flags:
         assert rows[2]["actor/tis_weight"] == pytest.approx(1.0, abs=1e-4)

