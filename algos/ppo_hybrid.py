@@ -296,19 +296,22 @@ if __name__ == "__main__":
 
     from common import demo
     from common.checkpoint import StopRequest, check_config, find_checkpoint, load_checkpoint, save_checkpoint
-    from common.data import PromptLoader, check_batch_sizes, load_prompts
+    from common.data import PromptLoader, check_batch_sizes, check_positive, load_prompts
     from common.rewards import check_data_sources, load_reward_fn, score, validate
     from common.tracking import Tracker, timer
-    from common.vllm_rollout import check_rollout_engine
+    from common.vllm_rollout import check_rollout
     from common.workers import CriticWorker, PolicyWorker, ResourcePool, WorkerGroup, init_ray, rollout_logprob_gap
 
     args = tyro.cli(Args)
-    check_rollout_engine(args.rollout_engine, args.top_p, args.top_k)
+    check_rollout(args.rollout_engine, args.temperature, args.top_p, args.top_k)
     if args.model_path is None:
         args = demo.apply(Args, lr=3e-4, max_prompt_length=8, max_response_length=4, micro_batch_size=256, train_batch_size=64, mini_batch_size=16, total_steps=400, n=8, critic_lr=1e-3)
     torch.manual_seed(args.seed)
 
     # Everything that can be wrong with the input fails here, before any worker starts.
+    check_positive(args, "num_workers", "total_steps", "train_batch_size", "mini_batch_size", "micro_batch_size", "n")
+    check_positive(args, "ppo_epochs", "max_prompt_length", "max_response_length", "val_batch_size", "val_n")
+    check_positive(args, "test_freq", "save_freq")
     check_batch_sizes(args.train_batch_size, args.mini_batch_size, args.n, args.num_workers)
     tokenizer = AutoTokenizer.from_pretrained(args.model_path)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -152,6 +152,14 @@ class PromptLoader:
         self.epoch, self.batch_index = state["epoch"], state["batch_index"]
 
 
+def check_positive(args, *fields: str) -> None:
+    """Each named field of `args` (a size, a count, a frequency) must be above 0."""
+    for field in fields:
+        value = getattr(args, field)
+        if not value > 0:
+            raise ValueError(f"--{field.replace('_', '-')} is {value}; it must be above 0")
+
+
 def check_batch_sizes(train_batch_size: int, mini_batch_size: int, n: int, num_workers: int) -> None:
     """Every rank must get the same whole number of sequences per mini-batch."""
     if train_batch_size % mini_batch_size:

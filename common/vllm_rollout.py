@@ -29,9 +29,15 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 MAX_NUM_SEQS = 256
 
 
-def check_rollout_engine(engine: str, top_p: float, top_k: int) -> None:
-    """Before anything loads a model: a torchvision that does not break transformers' imports, and for vLLM
-    the package itself and sampling settings under which its log-probs mean what the trainer's do."""
+def check_rollout(engine: str, temperature: float, top_p: float, top_k: int) -> None:
+    """Before anything loads a model: a torchvision that does not break transformers' imports, a temperature to
+    sample at, and for vLLM the package itself and sampling settings under which its log-probs mean what the
+    trainer's do."""
+    if not temperature > 0:
+        raise ValueError(
+            f"--temperature is {temperature}: rollouts are sampled, so it must be above 0 "
+            "(validation with --val-n 1 already decodes greedily)"
+        )
     if importlib.util.find_spec("torchvision") is not None:
         try:
             import torchvision  # noqa: F401

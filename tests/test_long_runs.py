@@ -218,10 +218,16 @@ def test_a_hanging_reward_is_cut_off(tokenizer):
         (["--num-workers", "3"], "does not split evenly over --num-workers 3"),
         (["--train-batch-size", "8", "--mini-batch-size", "3"], "--train-batch-size 8 is not a multiple of --mini-batch-size 3"),
         (["--rollout-engine", "vllm", "--top-p", "0.9"], "--rollout-engine vllm samples from the whole distribution here"),
+        (["--test-freq", "0"], "--test-freq is 0; it must be above 0"),
+        (["--save-freq", "0"], "--save-freq is 0; it must be above 0"),
+        (["--mini-batch-size", "0"], "--mini-batch-size is 0; it must be above 0"),
+        (["--micro-batch-size", "0"], "--micro-batch-size is 0; it must be above 0"),
+        (["--max-response-length", "0"], "--max-response-length is 0; it must be above 0"),
+        (["--temperature", "0"], "--temperature is 0.0: rollouts are sampled, so it must be above 0"),
     ],
     ids=[
         "missing-file", "empty-file", "long-prompt", "batch-larger-than-data", "indivisible-workers", "indivisible-mini-batch",
-        "vllm-top-p",
+        "vllm-top-p", "test-freq-0", "save-freq-0", "mini-batch-0", "micro-batch-0", "max-response-length-0", "temperature-0",
     ],
 )
 def test_bad_input_stops_before_any_worker(demo_files, tmp_path, flags, message):
