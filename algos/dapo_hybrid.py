@@ -60,6 +60,8 @@ class Args:
     """responses per validation prompt: 1 decodes greedily; more samples them for mean@n and pass@n"""
     reward_timeout: float = 10.0
     """seconds a reward function may take for one response before it scores 0 (0: no limit)"""
+    max_reward_error_share: float = 0.5
+    """stop when the reward function fails for more than this share of a batch's responses (1: never)"""
 
     total_steps: int = 500
     """training steps (one batch of prompts each)"""
@@ -316,6 +318,7 @@ if __name__ == "__main__":
         rollout_dtype=args.rollout_dtype, rollout_gpu_memory_utilization=args.rollout_gpu_memory_utilization,
         max_model_len=args.max_prompt_length + args.max_response_length, lora_merge=args.lora_merge, offload=args.offload,
     )  # fmt: skip
+    reward_limits = dict(timeout=args.reward_timeout, max_error_share=args.max_reward_error_share)
     sampling = dict(max_response_length=args.max_response_length, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     log_prob_inputs = ("input_ids", "attention_mask", "position_ids", "responses")
     log_prob_kwargs = dict(temperature=args.temperature, micro_batch_size=args.micro_batch_size)
@@ -327,7 +330,7 @@ if __name__ == "__main__":
         start_step = driver_state["step"] + 1
         print(f"resumed from {resume_from}")
     elif args.val_before_train:
-        first_val, samples = validate(policy, val_loader, tokenizer, reward_fn, sampling, args.val_n, args.reward_timeout)
+        first_val, samples = validate(policy, val_loader, tokenizer, reward_fn, sampling, args.val_n, **reward_limits)
         last_val = first_val
         tracker.log(first_val, step=0)
         tracker.log_samples(samples, step=0)
@@ -351,7 +354,7 @@ if __name__ == "__main__":
                 round_batch = next(train_batches).repeat(args.n, interleave=True)
                 round_batch |= policy.scatter("generate", round_batch.select("prompts", "prompt_mask"), **sampling)
             with timer("reward", metrics):
-                round_scores, round_metrics = score(round_batch, tokenizer, reward_fn, args.reward_timeout)
+                round_scores, round_metrics = score(round_batch, tokenizer, reward_fn, **reward_limits)
                 penalty = overlong_penalty(round_batch.batch["response_mask"].sum(-1), args.max_response_length, buffer_length, args.overlong_penalty_factor)
                 round_batch.batch["score"] = round_scores
                 round_batch.batch["seq_reward"] = round_scores + (penalty if args.overlong_shaping else 0)
@@ -406,7 +409,7 @@ if __name__ == "__main__":
         })  # fmt: skip
         if step % args.test_freq == 0 or step == args.total_steps:
             with timer("validate", metrics):
-                last_val, samples = validate(policy, val_loader, tokenizer, reward_fn, sampling, args.val_n, args.reward_timeout)
+                last_val, samples = validate(policy, val_loader, tokenizer, reward_fn, sampling, args.val_n, **reward_limits)
             metrics.update(last_val)
             tracker.log_samples(samples, step=step)
         if step % args.save_freq == 0 or step == args.total_steps or stop.requested:

@@ -60,6 +60,8 @@ class Args:
     """responses per validation prompt: 1 decodes greedily; more samples them for mean@n and pass@n"""
     reward_timeout: float = 10.0
     """seconds a reward function may take for one response before it scores 0 (0: no limit)"""
+    max_reward_error_share: float = 0.5
+    """stop when the reward function fails for more than this share of a batch's responses (1: never)"""
 
     total_steps: int = 500
     """training steps (one batch of prompts each)"""
@@ -284,6 +286,7 @@ if __name__ == "__main__":
         rollout_dtype=args.rollout_dtype, rollout_gpu_memory_utilization=args.rollout_gpu_memory_utilization,
         max_model_len=args.max_prompt_length + args.max_response_length, lora_merge=args.lora_merge, offload=args.offload,
     )  # fmt: skip
+    reward_limits = dict(timeout=args.reward_timeout, max_error_share=args.max_reward_error_share)
     sampling = dict(max_response_length=args.max_response_length, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     log_prob_inputs = ("input_ids", "attention_mask", "position_ids", "responses")
     log_prob_kwargs = dict(temperature=args.temperature, micro_batch_size=args.micro_batch_size)
@@ -295,7 +298,7 @@ if __name__ == "__main__":
         start_step = driver_state["step"] + 1
         print(f"resumed from {resume_from}")
     elif args.val_before_train:
-        first_val, samples = validate(policy, val_loader, tokenizer, reward_fn, sampling, args.val_n, args.reward_timeout)
+        first_val, samples = validate(policy, val_loader, tokenizer, reward_fn, sampling, args.val_n, **reward_limits)
         last_val = first_val
         tracker.log(first_val, step=0)
         tracker.log_samples(samples, step=0)
@@ -313,7 +316,7 @@ if __name__ == "__main__":
 
         # 2. Outcome reward: one score per response.
         with timer("reward", metrics):
-            scores, reward_metrics = score(batch, tokenizer, reward_fn, args.reward_timeout)
+            scores, reward_metrics = score(batch, tokenizer, reward_fn, **reward_limits)
 
         # 3. Log-probs of the sampled tokens under the policy that sampled them, and under the reference.
         with timer("old_log_prob", metrics):
@@ -355,7 +358,7 @@ if __name__ == "__main__":
         })  # fmt: skip
         if step % args.test_freq == 0 or step == args.total_steps:
             with timer("validate", metrics):
-                last_val, samples = validate(policy, val_loader, tokenizer, reward_fn, sampling, args.val_n, args.reward_timeout)
+                last_val, samples = validate(policy, val_loader, tokenizer, reward_fn, sampling, args.val_n, **reward_limits)
             metrics.update(last_val)
             tracker.log_samples(samples, step=step)
         if step % args.save_freq == 0 or step == args.total_steps or stop.requested:

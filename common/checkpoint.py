@@ -26,7 +26,7 @@ import torch
 RESUMABLE_CHANGES = {
     "total_steps", "resume", "force_resume", "track", "wandb_project_name", "wandb_entity", "save_freq", "keep_last",
     "test_freq", "val_before_train", "val_batch_size", "val_n", "export_adapter_only", "max_bad_steps", "reward_timeout",
-    "max_rollout_logprob_diff",
+    "max_rollout_logprob_diff", "max_reward_error_share",
 }  # fmt: skip
 
 

@@ -7,9 +7,13 @@ A reward function has the signature
 from __future__ import annotations
 
 import importlib.util
+import math
+import numbers
 import os
 import re
 import signal
+import sys
+import traceback
 from collections import defaultdict
 from contextlib import contextmanager
 
@@ -120,30 +124,69 @@ def time_limit(seconds: float | None):
         signal.signal(signal.SIGALRM, previous)
 
 
-def score(batch: DataProto, tokenizer, reward_fn, timeout: float | None = None) -> tuple[torch.Tensor, dict]:
+class RewardError(RuntimeError):
+    pass
+
+
+def score(batch: DataProto, tokenizer, reward_fn, **limits) -> tuple[torch.Tensor, dict]:
     """One scalar score per response of `batch` (see score_texts)."""
-    return score_texts(tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True), batch, reward_fn, timeout)
+    return score_texts(tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True), batch, reward_fn, **limits)
 
 
-def score_texts(texts: list[str], batch: DataProto, reward_fn, timeout: float | None = None) -> tuple[torch.Tensor, dict]:
-    """One scalar score per decoded response. A reward function that raises, or runs past
-    `timeout` seconds, scores 0 and is counted."""
-    scores, errors, timeouts = [], 0, 0
+def score_value(result) -> float:
+    """The score in what a reward function returned: a finite number, alone or under "score" in a dict."""
+    value = result.get("score") if isinstance(result, dict) else result
+    if hasattr(value, "item") and not isinstance(value, numbers.Real):  # a one-element tensor or array
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"the reward function returned {result!r}; return a number, or a dict with a number under 'score'")
+    if not math.isfinite(value):
+        raise ValueError(f"the reward function returned the score {value}; a score must be a finite number")
+    return float(value)
+
+
+REPORTED_FAILURES: set[str] = set()  # the kinds of reward failure printed so far in this process
+
+
+def score_texts(
+    texts: list[str], batch: DataProto, reward_fn, timeout: float | None = None, max_error_share: float = 1.0
+) -> tuple[torch.Tensor, dict]:
+    """One scalar score per decoded response.
+
+    A reward function that raises (or exits), returns anything but a finite number, or runs past `timeout`
+    seconds scores 0 for that sample, which is counted. The first failure of each kind is printed with its
+    traceback and sample. When more than `max_error_share` of the samples fail, RewardError stops the run
+    before any update uses these scores.
+    """
+    scores, errors, timeouts, first_failure = [], 0, 0, None
     for text, source, truth, extra in zip(texts, *(batch.non_tensor[k] for k in ("data_source", "ground_truth", "extra_info"))):
         try:
             with time_limit(timeout):
                 result = reward_fn(source, text, truth, extra)
-            scores.append(float(result["score"] if isinstance(result, dict) else result))
+            scores.append(score_value(result))
         except RewardTimeout:
             scores.append(0.0)
             timeouts += 1
-        except Exception:
+        except (Exception, SystemExit) as error:  # sys.exit() in a reward must not end the run quietly
             scores.append(0.0)
             errors += 1
+            failure = (
+                f"the reward function failed for data_source {source!r}, ground_truth {truth!r}, response {text!r}:\n"
+                f"{traceback.format_exc()}"
+            )
+            first_failure = first_failure or failure
+            if type(error).__name__ not in REPORTED_FAILURES:
+                REPORTED_FAILURES.add(type(error).__name__)
+                print(f"{failure}The sample scores 0 and counts in reward/errors; fix the reward function.", file=sys.stderr)
+    if errors > max_error_share * len(texts):
+        raise RewardError(
+            f"the reward function failed for {errors} of {len(texts)} samples, more than --max-reward-error-share "
+            f"{max_error_share} allows; no update used these scores. The first failure: {first_failure}"
+        )
     return torch.tensor(scores, dtype=torch.float32), {"reward/errors": errors, "reward/timeouts": timeouts}
 
 
-def validate(policy, val_loader, tokenizer, reward_fn, sampling: dict, n: int = 1, timeout: float | None = None) -> tuple[dict, list[dict]]:
+def validate(policy, val_loader, tokenizer, reward_fn, sampling: dict, n: int = 1, **limits) -> tuple[dict, list[dict]]:
     """Accuracy (mean score) over the validation set, overall and per data source, and every completion.
 
     With n == 1 decoding is greedy; with n > 1 each prompt gets n samples and
@@ -157,7 +200,7 @@ def validate(policy, val_loader, tokenizer, reward_fn, sampling: dict, n: int = 
         generation = dict(sampling, do_sample=True) if n > 1 else dict(max_response_length=sampling["max_response_length"], do_sample=False)
         batch |= policy.scatter("generate", batch.select("prompts", "prompt_mask"), **generation)
         responses = tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True)
-        scores, metrics = score_texts(responses, batch, reward_fn, timeout)
+        scores, metrics = score_texts(responses, batch, reward_fn, **limits)
         for key, value in metrics.items():
             reward_metrics[key] += value
         for i, value in enumerate(scores.tolist()):

@@ -148,13 +148,32 @@ def test_a_dead_worker_stops_the_run_by_name_and_the_checkpoint_resumes(ray_clus
     assert f"checkpoints/step_{step}" in stdout
 
 
-def test_nan_rewards_skip_updates_then_stop_the_run(ray_cluster, demo_files, tmp_path):
-    (tmp_path / "nan_reward.py").write_text("def score(data_source, solution_str, ground_truth, extra_info):\n    return float('nan')\n")
-    code, _, stderr = run_script("--total-steps", "10", "--max-bad-steps", "2", "--reward-fn", f"{tmp_path}/nan_reward.py:score", cwd=tmp_path)
+def test_nan_gradients_skip_updates_then_stop_the_run(ray_cluster, demo_files, tmp_path):
+    code, _, stderr = run_script("--total-steps", "10", "--max-bad-steps", "2", "--entropy-coef", "nan", cwd=tmp_path)
     assert code != 0
     assert "2 steps in a row had NaN or inf gradients; their updates were skipped, so no weights are corrupted" in stderr
     [run_dir] = (tmp_path / "runs").iterdir()
     assert [r["actor/skipped_updates"] for r in metric_rows(run_dir)] == [2.0, 2.0]  # both mini-batches of both steps
+
+
+@pytest.mark.parametrize(
+    "body, failure",
+    [
+        ("return float('nan')", "ValueError: the reward function returned the score nan"),
+        ("return None", "TypeError: the reward function returned None"),
+        ("return {'exact': 1.0}", "TypeError: the reward function returned {'exact': 1.0}"),
+        ("import sys; sys.exit()", "SystemExit"),
+    ],
+    ids=["nan", "none", "no-score", "sys-exit"],
+)
+def test_a_reward_broken_for_every_sample_stops_at_the_first_step(ray_cluster, demo_files, tmp_path, body, failure):
+    (tmp_path / "broken.py").write_text(f"def score(data_source, solution_str, ground_truth, extra_info):\n    {body}\n")
+    code, _, stderr = run_script("--total-steps", "3", "--reward-fn", f"{tmp_path}/broken.py:score", cwd=tmp_path)
+    assert code != 0
+    assert "the reward function failed for 32 of 32 samples, more than --max-reward-error-share 0.5 allows" in stderr
+    assert "for data_source 'addition', ground_truth" in stderr and failure in stderr
+    [run_dir] = (tmp_path / "runs").iterdir()
+    assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text()  # no step finished
 
 
 def test_nan_loss_leaves_the_weights_untouched(cpu_pool, tiny_model, tokenizer, demo_files):

@@ -1,8 +1,10 @@
+import numpy as np
 import pytest
 import torch
 
+from common import rewards
 from common.dataproto import DataProto
-from common.rewards import check_data_sources, default_reward, gsm8k_reward, load_reward_fn, score
+from common.rewards import RewardError, check_data_sources, default_reward, gsm8k_reward, load_reward_fn, score, score_value
 
 
 @pytest.mark.parametrize(
@@ -67,3 +69,36 @@ def test_unknown_data_source_fails_early():
     with pytest.raises(ValueError, match=r"no built-in reward for data_source \['my_task'\]"):
         check_data_sources(data, default_reward)
     check_data_sources(data, lambda *a: 0.0)
+
+
+@pytest.mark.parametrize("result, value", [(1, 1.0), (0.5, 0.5), (True, 1.0), (np.float32(0.25), 0.25), (torch.tensor(2.0), 2.0),
+                                            ({"score": 3, "exact": 1.0}, 3.0)])  # fmt: skip
+def test_a_score_is_a_finite_number(result, value):
+    assert score_value(result) == value
+
+
+@pytest.mark.parametrize("result", [None, "1.0", {"exact": 1.0}, float("nan"), float("inf"), {"score": None}])
+def test_anything_else_is_an_error(result):
+    with pytest.raises((TypeError, ValueError), match="the reward function returned"):
+        score_value(result)
+
+
+def test_failures_are_printed_once_per_kind_and_too_many_stop_the_run(tokenizer, capsys):
+    def half_broken(data_source, solution_str, ground_truth, extra_info):
+        if solution_str == "12":
+            import sys
+
+            sys.exit(3)  # ends nothing: one failing sample
+        return None if solution_str == "7" else 1.0
+
+    rewards.REPORTED_FAILURES.clear()  # what earlier tests in this process printed
+    batch = batch_of(tokenizer, ["3", "12", "7", "4"], ["3", "12", "7", "4"])
+    scores, metrics = score(batch, tokenizer, half_broken, max_error_share=0.5)
+    assert scores.tolist() == [1.0, 0.0, 0.0, 1.0] and metrics["reward/errors"] == 2
+    printed = capsys.readouterr().err
+    assert printed.count("the reward function failed for data_source 'addition'") == 2  # SystemExit and TypeError
+    assert "response '12'" in printed and "fix the reward function" in printed
+    score(batch, tokenizer, half_broken, max_error_share=0.5)
+    assert capsys.readouterr().err == ""  # each kind once
+    with pytest.raises(RewardError, match=r"failed for 2 of 4 samples, more than --max-reward-error-share 0.25 allows"):
+        score(batch, tokenizer, half_broken, max_error_share=0.25)
