@@ -173,7 +173,10 @@ class VLLMRollout:
 
     def load_weights(self, weights) -> None:
         """Copy (name, tensor) pairs, named as in the model's checkpoint, into the engine's model: every parameter."""
-        weights = ((name, tensor.to(self.dtype)) for name, tensor in weights)  # vLLM would cast each, warning each time
+        # Copies in the engine's dtype (vLLM would cast each, warning each time). Copies, since the gathered tensors
+        # are freed with their unit, and vLLM defers a layer whose parameter it pads (the vocabulary embedding)
+        # until every weight has arrived.
+        weights = ((name, tensor.to(self.dtype, copy=True)) for name, tensor in weights)
         [missing] = self.llm.collective_rpc(reload_weights, kwargs=dict(weights=weights))
         if missing:
             raise RuntimeError(f"the rollout engine received no weights for {missing}: it would generate with stale ones")

@@ -52,12 +52,8 @@ def is_adapter(name: str) -> bool:
 
 
 def base_weights(unit: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copies of the base model's weights in one unit, adapters left out (the engine loaded them once from disk).
-
-    Copies, since the engine may keep a tensor past the next unit: vLLM defers a layer whose
-    parameter it pads (the vocabulary embedding) until every weight has arrived.
-    """
-    return {engine_name(name): tensor.clone() for name, tensor in unit.items() if not is_adapter(name)}
+    """The base model's weights in one unit, adapters left out (the engine loaded them once from disk)."""
+    return {engine_name(name): tensor for name, tensor in unit.items() if not is_adapter(name)}
 
 
 def merged_weights(unit: dict[str, torch.Tensor], lora_scaling: dict[str, float]) -> dict[str, torch.Tensor]:

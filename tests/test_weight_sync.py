@@ -35,7 +35,7 @@ class SyncProbe(PolicyWorker):
         weights, whole_at_handover = {}, []
         for name, tensor in self._engine_weights():
             whole_at_handover.append(sum(p.numel() for p in self.model.parameters() if not isinstance(p, DTensor)))
-            weights[name] = tensor.cpu()
+            weights[name] = tensor.to("cpu", copy=True)  # the gathered storage is freed with its unit
         return dict(weights=weights, whole_at_handover=whole_at_handover)
 
     def engine_adapter(self) -> tuple[dict, object]:
