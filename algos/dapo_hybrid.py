@@ -1,6 +1,5 @@
 # DAPO: Yu et al. 2025 (https://arxiv.org/abs/2503.14476), a fork of grpo_hybrid.py with its four techniques:
 # clip-higher, dynamic sampling, a token-level policy loss, and overlong reward shaping; no KL term.
-import os
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
@@ -9,92 +8,12 @@ import numpy as np
 import torch
 import tyro
 
+from common.run import RunArgs, flag
+
 
 @dataclass
-class Args:
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment"""
-    seed: int = 1
-    """seed of the experiment"""
-    track: bool = False
-    """log metrics and config to wandb"""
-    wandb_project_name: str = "hybridrl"
-    """the wandb project"""
-    wandb_entity: str | None = None
-    """the wandb entity (team)"""
-
-    model_path: str | None = None
-    """HF model folder or hub id; leave unset for the built-in demo (a tiny model on an addition task)"""
-    train_files: list[str] | None = None
-    """training prompts, verl-style parquet or jsonl files"""
-    val_files: list[str] | None = None
-    """validation prompts, same format"""
-    reward_fn: str | None = None
-    """your reward, `path/to/file.py:function_name`; by default a built-in reward per data_source"""
-    max_prompt_length: int = 512
-    """longest prompt in tokens; a longer one is an error unless --truncate-prompts"""
-    truncate_prompts: bool = False
-    """keep the last --max-prompt-length tokens of a longer prompt instead of stopping"""
-    max_response_length: int = 1024
-    """most tokens generated per response"""
-
-    num_workers: int = 2
-    """policy processes, one per GPU (per CPU slot without GPUs)"""
-    rollout_engine: Literal["hf", "vllm"] = "hf"
-    """what generates rollouts: `hf`, transformers' generate on the policy itself; `vllm`, a vLLM engine in its process"""
-    rollout_dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """with vllm: what the engine computes in (the trainer keeps fp32 weights; TIS corrects the gap)"""
-    rollout_gpu_memory_utilization: float = 0.5
-    """with vllm on GPUs: the share of each GPU's memory the engine takes for its weights and KV cache"""
-    lora_merge: bool = False
-    """with vllm and LoRA: send the engine the adapter merged into the weights, instead of the adapter alone"""
-    offload: bool = False
-    """with vllm: move the policy's weights and optimiser state to CPU memory while the engine generates"""
-    max_rollout_logprob_diff: float = 0.1
-    """stop when the engine's log-probs of its samples differ from the trainer's by more than this per token (0: never)"""
-    micro_batch_size: int = 8
-    """sequences per forward/backward on one worker (gradient accumulation beyond that)"""
-    val_batch_size: int = 256
-    """prompts per validation generate call"""
-    val_n: int = 1
-    """responses per validation prompt: 1 decodes greedily; more samples them for mean@n and pass@n"""
-    reward_timeout: float = 10.0
-    """seconds a reward function may take for one response before it scores 0 (0: no limit)"""
-    max_reward_error_share: float = 0.5
-    """stop when the reward function fails for more than this share of a batch's responses (1: never)"""
-
-    total_steps: int = 500
-    """training steps (one batch of prompts each)"""
-    train_batch_size: int = 32
-    """prompts per step"""
-    n: int = 8
-    """responses sampled per prompt (the group)"""
-    temperature: float = 1.0
-    """sampling temperature, also applied to the logits when computing log-probs"""
-    top_p: float = 1.0
-    """nucleus sampling threshold"""
-    top_k: int = 0
-    """top-k sampling, 0 disables"""
-    mini_batch_size: int = 32
-    """prompts per optimiser step; train-batch-size / mini-batch-size steps per batch"""
-    ppo_epochs: int = 1
-    """passes over each batch"""
-    lr: float = 1e-6
-    """policy learning rate"""
-    lr_warmup_steps: int = 0
-    """linear learning-rate warm-up, in training steps"""
-    weight_decay: float = 0.01
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping"""
-    gradient_checkpointing: bool = False
-    """recompute activations in backward to save memory"""
-    lora_rank: int = 0
-    """LoRA rank; 0 trains every weight. With LoRA the reference is the model with its adapter disabled"""
-    lora_alpha: int = 16
-    """LoRA scaling numerator"""
-    lora_target_modules: str = "all-linear"
-    """modules that get an adapter"""
+class Args(RunArgs):
+    """The algorithm's flags; those every script shares (model, data, workers, batches, checkpoints) are in common/run.py"""
 
     norm_adv_by_std: bool = True
     """divide advantages by the group's std (False: Dr.GRPO)"""
@@ -105,7 +24,7 @@ class Args:
     clip_ratio_c: float = 10.0
     """dual-clip bound for negative advantages"""
     tis: bool = False
-    """truncated importance sampling: weight each token's policy loss by pi_old / pi_rollout, for the rollout engine's numerics"""
+    """truncated importance sampling: weight each token's loss by pi_old / pi_rollout, for the rollout engine's numerics"""
     tis_cap: float = 2.0
     """upper bound of the TIS weight"""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
@@ -122,7 +41,7 @@ class Args:
     """what must vary within a group: the final sequence reward (score + overlong penalty) or the raw score"""
     gen_batch_size: int | None = None
     """prompts generated per round of dynamic sampling; default 3 x --train-batch-size"""
-    max_gen_batches: int = 10
+    max_gen_batches: int = flag(10, resumable=True)
     """most rounds of dynamic sampling per step (0: no bound)"""
     overlong_shaping: bool = True
     """penalise responses that run into the last --overlong-buffer-length tokens of the limit"""
@@ -131,25 +50,8 @@ class Args:
     overlong_penalty_factor: float = 1.0
     """penalty at the limit itself"""
 
-    test_freq: int = 25
-    """validate every this many steps"""
-    val_before_train: bool = True
-    """validate once before the first step"""
-    save_freq: int = 100
-    """save a checkpoint every this many steps, and always at the end"""
-    keep_last: int = 2
-    """checkpoints to keep; older ones are deleted (0 keeps all)"""
-    resume: str | None = None
-    """`auto`: continue the newest complete checkpoint of this algorithm, exp-name and seed; or a checkpoints/step_<N> folder"""
-    force_resume: bool = False
-    """resume even from a checkpoint made with other settings"""
-    export_adapter_only: bool = False
-    """with LoRA, export only the adapter instead of the merged model"""
-    max_bad_steps: int = 3
-    """stop after this many consecutive steps whose update was skipped for a NaN or inf gradient"""
 
-
-def compute_grpo_advantages(scores: torch.Tensor, group_ids: np.ndarray, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def compute_grpo_advantages(scores: torch.Tensor, group_ids: np.ndarray, norm_by_std: bool = True, eps: float = 1e-6):
     """(score - group mean) / (group std + eps), groups being the samples of one prompt.
 
     The std uses Bessel's correction; a group of one has mean 0 and std 1.
@@ -164,21 +66,6 @@ def compute_grpo_advantages(scores: torch.Tensor, group_ids: np.ndarray, norm_by
             mean, std = group_scores.mean(), group_scores.std()
         advantages[members] = (group_scores - mean) / (std + eps) if norm_by_std else group_scores - mean
     return advantages
-
-
-def filter_groups(values: torch.Tensor, group_ids: np.ndarray) -> np.ndarray:
-    """Rows of the groups whose samples disagree (std > 0); a group of one sample is kept."""
-    keep = np.zeros(len(group_ids), dtype=bool)
-    for group in np.unique(group_ids):
-        members = np.flatnonzero(group_ids == group)
-        keep[members] = len(members) == 1 or bool(values[torch.as_tensor(members)].std() > 0)
-    return keep
-
-
-def overlong_penalty(response_lengths: torch.Tensor, max_response_length: int, buffer_length: int, penalty_factor: float) -> torch.Tensor:
-    """0 up to max - buffer tokens, then falling linearly to -penalty_factor at the maximum."""
-    excess = response_lengths - (max_response_length - buffer_length)
-    return (-excess / buffer_length * penalty_factor).clamp(max=0)
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
@@ -196,12 +83,33 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
     raise ValueError(f"unknown KL estimator '{kind}'")
 
 
-def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, num_tokens: float | None = None, num_seqs: float | None = None) -> torch.Tensor:
-    """Reduce a [batch, tokens] loss over the valid tokens.
+def filter_groups(values: torch.Tensor, group_ids: np.ndarray) -> np.ndarray:
+    """Rows of the groups whose samples disagree (std > 0); a group of one sample is kept."""
+    keep = np.zeros(len(group_ids), dtype=bool)
+    for group in np.unique(group_ids):
+        members = np.flatnonzero(group_ids == group)
+        keep[members] = len(members) == 1 or bool(values[torch.as_tensor(members)].std() > 0)
+    return keep
 
-    `num_tokens` and `num_seqs` are the counts of the whole mini-batch (over
-    every micro-batch and rank); with them, the results of all micro-batches
-    add up to the mini-batch's value. They default to this batch's own counts.
+
+def overlong_penalty(response_lengths: torch.Tensor, max_response_length: int, buffer_length: int, penalty_factor: float):
+    """0 up to max - buffer tokens, then falling linearly to -penalty_factor at the maximum."""
+    excess = response_lengths - (max_response_length - buffer_length)
+    return (-excess / buffer_length * penalty_factor).clamp(max=0)
+
+
+def agg_loss(
+    loss: torch.Tensor, mask: torch.Tensor, mode: str, num_tokens: float | None = None, num_seqs: float | None = None
+):
+    """Reduce a [batch, tokens] loss over the valid tokens: the loss contract of every update.
+
+    The worker splits a mini-batch into micro-batches on every rank, and hands each loss function
+    `num_tokens` and `num_seqs`, the valid tokens and the sequences of the whole mini-batch over every
+    micro-batch and rank. Each mode divides by one of those counts (or by a constant), never by a
+    micro-batch's own, so a micro-batch's result is its share of the mini-batch's value: the shares add up
+    over micro-batches and ranks to exactly that value, and their gradients to its gradient, however the
+    mini-batch is split. The worker then only sums, all-reduces and steps. Without the counts, a batch's
+    own value.
     """
     num_tokens = mask.sum() if num_tokens is None else num_tokens
     num_seqs = mask.shape[0] if num_seqs is None else num_seqs
@@ -218,12 +126,24 @@ def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, num_tokens: floa
 
 
 def compute_tis_weights(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, cap: float) -> torch.Tensor:
-    """min(pi_old / pi_rollout, cap) per token: the rollout engine samples from slightly other probabilities
-    than the trainer computes (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training")."""
+    """min(pi_old / pi_rollout, cap) per token: the rollout engine samples from slightly other probabilities than the
+    trainer computes (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training")."""
     return (old_log_prob - rollout_log_prob).clamp(max=20).exp().clamp(max=cap)
 
 
-def compute_policy_loss(old_log_prob, log_prob, advantages, mask, clip_low, clip_high, clip_c, agg_mode, num_tokens=None, num_seqs=None, tis_weights=None):
+def compute_policy_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    mask,
+    clip_low,
+    clip_high,
+    clip_c,
+    agg_mode,
+    num_tokens=None,
+    num_seqs=None,
+    tis_weights=None,
+):
     """PPO's clipped surrogate with dual-clip (Ye et al. 2020) for negative advantages, optionally TIS-weighted."""
     log_ratio = (log_prob - old_log_prob).clamp(-20, 20)
     ratio = log_ratio.exp()
@@ -248,13 +168,13 @@ def compute_policy_loss(old_log_prob, log_prob, advantages, mask, clip_low, clip
 def actor_loss(batch, outputs, minibatch_tokens, minibatch_seqs, args: Args):
     """The policy's loss on one micro-batch, as its share of the mini-batch (see agg_loss)."""
     log_prob, entropy = outputs
-    mask = batch["response_mask"]
+    mask, counts = batch["response_mask"], (minibatch_tokens, minibatch_seqs)
     aggregate = partial(agg_loss, mask=mask, mode=args.loss_agg_mode, num_tokens=minibatch_tokens, num_seqs=minibatch_seqs)
     tis_weights = compute_tis_weights(batch["old_log_probs"], batch["rollout_log_probs"], args.tis_cap) if args.tis else None
+    clip = (args.clip_ratio_low, args.clip_ratio_high, args.clip_ratio_c)
     pg_loss, metrics = compute_policy_loss(
-        batch["old_log_probs"], log_prob, batch["advantages"], mask,
-        args.clip_ratio_low, args.clip_ratio_high, args.clip_ratio_c, args.loss_agg_mode, minibatch_tokens, minibatch_seqs, tis_weights,
-    )  # fmt: skip
+        batch["old_log_probs"], log_prob, batch["advantages"], mask, *clip, args.loss_agg_mode, *counts, tis_weights
+    )
     loss = pg_loss - args.entropy_coef * aggregate(entropy)
     metrics["pg_loss"] = pg_loss.detach()
     if args.kl_loss_coef > 0:
@@ -265,177 +185,77 @@ def actor_loss(batch, outputs, minibatch_tokens, minibatch_seqs, args: Args):
 
 
 if __name__ == "__main__":
-    import time
-
-    import ray
-    from tqdm import trange
-    from transformers import AutoTokenizer
-
     from common import demo
-    from common.checkpoint import StopRequest, check_config, find_checkpoint, load_checkpoint, save_checkpoint
-    from common.data import PromptLoader, check_batch_sizes, check_positive, load_prompts
     from common.dataproto import DataProto
-    from common.rewards import check_data_sources, load_reward_fn, score, validate
-    from common.tracking import Tracker, timer
-    from common.vllm_rollout import check_rollout
-    from common.workers import PolicyWorker, ResourcePool, WorkerGroup, init_ray, rollout_logprob_gap
+    from common.rollout import rollout_logprob_gap
+    from common.run import Run
+    from common.tracking import timer
 
     args = tyro.cli(Args)
-    check_rollout(args.rollout_engine, args.temperature, args.top_p, args.top_k)
     if args.model_path is None:
-        args = demo.apply(Args, lr=5e-4, max_prompt_length=8, max_response_length=4, micro_batch_size=256, n=16, train_batch_size=32, mini_batch_size=8, total_steps=150, gen_batch_size=96, max_gen_batches=30)
-    torch.manual_seed(args.seed)
-
-    # Everything that can be wrong with the input fails here, before any worker starts.
-    check_positive(args, "num_workers", "total_steps", "train_batch_size", "mini_batch_size", "micro_batch_size", "n")
-    check_positive(args, "ppo_epochs", "max_prompt_length", "max_response_length", "val_batch_size", "val_n")
-    check_positive(args, "test_freq", "save_freq")
-    check_batch_sizes(args.train_batch_size, args.mini_batch_size, args.n, args.num_workers)
-    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    reward_fn = load_reward_fn(args.reward_fn)
-    train_data = load_prompts(args.train_files, tokenizer, args.max_prompt_length, args.truncate_prompts)
-    val_data = load_prompts(args.val_files or args.train_files, tokenizer, args.max_prompt_length, args.truncate_prompts)
-    check_data_sources(train_data, reward_fn)
-    check_data_sources(val_data, reward_fn)
-    gen_batch_size = args.gen_batch_size or 3 * args.train_batch_size
-    train_loader = PromptLoader(train_data, gen_batch_size if args.filter_groups else args.train_batch_size, pad_token_id, shuffle=True, seed=args.seed)
+        args = demo.apply(
+            Args, lr=5e-4, n=16, train_batch_size=32, mini_batch_size=8, total_steps=150, gen_batch_size=96, max_gen_batches=30
+        )
     buffer_length = args.overlong_buffer_length or args.max_response_length // 4
-    val_loader = PromptLoader(val_data, args.val_batch_size, pad_token_id, shuffle=False, drop_last=False)
-    resume_from = find_checkpoint(args.resume, "runs", f"dapo__{args.exp_name}__{args.seed}")
-    if resume_from is not None:
-        check_config(resume_from, args, args.force_resume)
-    tracker = Tracker("dapo", args, resume_from=resume_from)
-
-    init_ray()
-    pool = ResourcePool(args.num_workers, use_gpu=ray.cluster_resources().get("GPU", 0) > 0)
-    policy = WorkerGroup(
-        PolicyWorker, pool, "policy",
-        model_path=args.model_path, seed=args.seed, lr=args.lr, weight_decay=args.weight_decay,
-        lr_warmup_steps=args.lr_warmup_steps, max_grad_norm=args.max_grad_norm,
-        gradient_checkpointing=args.gradient_checkpointing, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-        lora_target_modules=args.lora_target_modules, use_reference=args.kl_loss_coef > 0, rollout_engine=args.rollout_engine,
-        rollout_dtype=args.rollout_dtype, rollout_gpu_memory_utilization=args.rollout_gpu_memory_utilization,
-        max_model_len=args.max_prompt_length + args.max_response_length, lora_merge=args.lora_merge, offload=args.offload,
-    )  # fmt: skip
-    reward_limits = dict(timeout=args.reward_timeout, max_error_share=args.max_reward_error_share)
-    sampling = dict(max_response_length=args.max_response_length, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    prompts_per_round = args.gen_batch_size or 3 * args.train_batch_size
+    run = Run("dapo", args, prompts_per_batch=prompts_per_round if args.filter_groups else None)
+    policy = run.policy(use_reference=args.kl_loss_coef > 0)
     log_prob_inputs = ("input_ids", "attention_mask", "position_ids", "responses")
-    log_prob_kwargs = dict(temperature=args.temperature, micro_batch_size=args.micro_batch_size)
+    update_inputs = [*log_prob_inputs, "response_mask", "old_log_probs", "advantages"]
+    if args.kl_loss_coef > 0:
+        update_inputs.append("ref_log_probs")
+    if args.tis:
+        update_inputs.append("rollout_log_probs")
 
-    start_step, first_val, last_val, bad_steps = 1, None, None, 0
-    if resume_from is not None:
-        driver_state = load_checkpoint(resume_from, {"policy": policy})
-        train_loader.load_state_dict(driver_state["loader"])
-        start_step = driver_state["step"] + 1
-        print(f"resumed from {resume_from}")
-    elif args.val_before_train:
-        first_val, samples = validate(policy, val_loader, tokenizer, reward_fn, sampling, args.val_n, **reward_limits)
-        last_val = first_val
-        tracker.log(first_val, step=0)
-        tracker.log_samples(samples, step=0)
-    train_batches = train_loader.forever()
-    stop, step = StopRequest(), start_step - 1
-    progress = trange(start_step, args.total_steps + 1, desc="dapo")
-    for step in progress:
-        metrics, step_start = {}, time.perf_counter()
+    for step in run.steps():
+        metrics = {}
 
-        # 1-2. Rollout and reward, round after round: dynamic sampling keeps only the prompts whose samples
-        # disagree (the others have zero advantage), until --train-batch-size prompts are kept.
-        kept, reward_metrics, generated_prompts = [], {"reward/errors": 0, "reward/timeouts": 0}, 0
+        # 1-2. Rollout and reward in rounds; dynamic sampling keeps prompts whose samples disagree (others have no advantage).
+        kept, generated_prompts = [], 0
         while sum(map(len, kept)) < args.train_batch_size * args.n:
             if args.max_gen_batches and len(kept) == args.max_gen_batches:
                 raise RuntimeError(
-                    f"dynamic sampling kept {sum(map(len, kept)) // args.n} of {args.train_batch_size} prompts after "
-                    f"{len(kept)} rounds: nearly every prompt is always solved or never solved, so the data may be too "
-                    "easy or too hard for this model. Raise --max-gen-batches (0: no bound) or --gen-batch-size"
+                    f"dynamic sampling kept {sum(map(len, kept)) // args.n} of {args.train_batch_size} prompts in {len(kept)} "
+                    "rounds: nearly every group agrees, the data may be too easy or too hard for this model. Raise "
+                    "--max-gen-batches (0: no bound) or --gen-batch-size"
                 )
             with timer("generate", metrics):
-                round_batch = next(train_batches).repeat(args.n, interleave=True)
-                round_batch |= policy.scatter("generate", round_batch.select("prompts", "prompt_mask"), **sampling)
+                round_batch = run.next_prompts().repeat(args.n, interleave=True)
+                round_batch |= policy.scatter("generate", round_batch.select("prompts", "prompt_mask"), **run.sampling)
             with timer("reward", metrics):
-                round_scores, round_metrics = score(round_batch, tokenizer, reward_fn, **reward_limits)
-                penalty = overlong_penalty(round_batch.batch["response_mask"].sum(-1), args.max_response_length, buffer_length, args.overlong_penalty_factor)
-                round_batch.batch["score"] = round_scores
-                round_batch.batch["seq_reward"] = round_scores + (penalty if args.overlong_shaping else 0)
-                reward_metrics = {k: reward_metrics[k] + round_metrics[k] for k in reward_metrics}
+                round_batch["score"] = run.score(round_batch, metrics)
+                lengths = round_batch["response_mask"].sum(-1)
+                penalty = overlong_penalty(lengths, args.max_response_length, buffer_length, args.overlong_penalty_factor)
+                round_batch["seq_reward"] = round_batch["score"] + (penalty if args.overlong_shaping else 0)
             generated_prompts += len(round_batch) // args.n
-            keep = filter_groups(round_batch.batch[args.filter_metric], round_batch.non_tensor["uid"]) if args.filter_groups else slice(None)
+            keep = filter_groups(round_batch[args.filter_metric], round_batch["uid"]) if args.filter_groups else slice(None)
             kept.append(round_batch[keep])
         batch = DataProto.concat(kept)[: args.train_batch_size * args.n]
-        scores, response_mask = batch.batch["score"], batch.batch["response_mask"]
-        response_lengths = response_mask.sum(-1)
+        scores, response_lengths = batch["score"], batch["response_mask"].sum(-1)
         metrics["train/num_gen_batches"] = len(kept)
         metrics["train/filtered_prompt_ratio"] = 1 - sum(map(len, kept)) / args.n / generated_prompts
-        metrics["reward/overlong_penalty_mean"] = (batch.batch["seq_reward"] - scores).mean().item()
-        metrics["response/overlong_ratio"] = (response_lengths > args.max_response_length - buffer_length).float().mean().item()
+        metrics["reward/overlong_penalty_mean"] = (batch["seq_reward"] - scores).mean().item()
+        overlong = response_lengths > args.max_response_length - buffer_length
+        metrics["response/overlong_ratio"] = overlong.float().mean().item()
 
         # 3. Log-probs of the sampled tokens under the policy that sampled them, and under the reference.
         with timer("old_log_prob", metrics):
-            batch |= policy.scatter("compute_log_prob", batch.select(*log_prob_inputs), **log_prob_kwargs)
-        # How far the engine's probabilities of its own samples are from the trainer's (what TIS corrects); a gap
-        # that numerics cannot explain stops the run: the engine would be sampling from other weights.
+            batch |= policy.scatter("compute_log_prob", batch.select(*log_prob_inputs))
+        # The engine's own log-probs against the trainer's: the gap TIS corrects, too large when the engine lags behind.
         metrics |= rollout_logprob_gap(batch, args.max_rollout_logprob_diff)
         if args.kl_loss_coef > 0:
             with timer("ref_log_prob", metrics):
-                batch |= policy.scatter("compute_ref_log_prob", batch.select(*log_prob_inputs), **log_prob_kwargs)
+                batch |= policy.scatter("compute_ref_log_prob", batch.select(*log_prob_inputs))
 
         # 4. GRPO's advantage: the response's score relative to its group, the same for each of its tokens.
         with timer("advantages", metrics):
-            advantages = compute_grpo_advantages(batch.batch["seq_reward"], batch.non_tensor["uid"], args.norm_adv_by_std)
-            batch.batch["advantages"] = advantages[:, None] * response_mask
+            advantages = compute_grpo_advantages(batch["seq_reward"], batch["uid"], args.norm_adv_by_std)
+            batch["advantages"] = advantages[:, None] * batch["response_mask"]
 
         # 5. Policy update: clipped surrogate + KL loss, over epochs x mini-batches x micro-batches.
         with timer("update", metrics):
-            update_inputs = batch.select(
-                *log_prob_inputs, "response_mask", "old_log_probs", "advantages",
-                *(["ref_log_probs"] if args.kl_loss_coef > 0 else []), *(["rollout_log_probs"] if args.tis else []),
-            )  # fmt: skip
-            actor_metrics = policy.scatter(
-                "update", update_inputs, loss_fn=partial(actor_loss, args=args), temperature=args.temperature,
-                epochs=args.ppo_epochs, mini_batch_size=args.mini_batch_size * args.n, micro_batch_size=args.micro_batch_size,
-            )[0]  # fmt: skip
+            actor_metrics = policy.scatter("update", batch.select(*update_inputs), loss_fn=partial(actor_loss, args=args))
+        metrics |= {f"actor/{key}": value for key, value in actor_metrics[0].items()}
+        run.end_step(step, batch, scores, metrics)
 
-        step_time = time.perf_counter() - step_start
-        metrics.update(reward_metrics)
-        metrics.update({f"actor/{k}": v for k, v in actor_metrics.items()})
-        metrics.update({
-            "train/reward_mean": scores.mean().item(),
-            "actor/entropy": ((batch.batch["entropy"] * response_mask).sum() / response_mask.sum()).item(),
-            "response/length_mean": response_lengths.mean().item(),
-            "response/clip_ratio": (response_lengths == args.max_response_length).float().mean().item(),
-            "timing/step": step_time,
-            "perf/tokens_per_s": batch.batch["attention_mask"].sum().item() / step_time,
-        })  # fmt: skip
-        if step % args.test_freq == 0 or step == args.total_steps:
-            with timer("validate", metrics):
-                last_val, samples = validate(policy, val_loader, tokenizer, reward_fn, sampling, args.val_n, **reward_limits)
-            metrics.update(last_val)
-            tracker.log_samples(samples, step=step)
-        if step % args.save_freq == 0 or step == args.total_steps or stop.requested:
-            with timer("save", metrics):
-                save_checkpoint(tracker.run_dir, step, {"policy": policy}, {"loader": train_loader.state_dict()}, args.keep_last)
-        tracker.log(metrics, step=step)
-        progress.set_postfix(reward=f"{metrics['train/reward_mean']:.3f}", step_s=f"{step_time:.2f}")
-        bad_steps = bad_steps + 1 if actor_metrics.get("skipped_updates") else 0
-        if bad_steps >= args.max_bad_steps:
-            raise RuntimeError(
-                f"{bad_steps} steps in a row had NaN or inf gradients; their updates were skipped, so no weights are "
-                "corrupted. Check the rewards and the learning rate, then continue with --resume auto"
-            )
-        if stop.requested:
-            break
-
-    if first_val is not None:
-        print(f"held-out accuracy: {first_val['val/accuracy']:.1%} before training")
-    if last_val is not None:
-        print(f"held-out accuracy: {last_val['val/accuracy']:.1%} at the last validation")
-    print(f"metrics and checkpoints in {tracker.run_dir}")
-    if stop.requested:
-        print(f"stopped after step {step}; continue with the same command and --resume auto")
-    else:
-        policy.rank0("export", str(tracker.run_dir / "model"), adapter_only=args.export_adapter_only)
-        print(f"the trained policy, as a Hugging Face model folder: {tracker.run_dir / 'model'}")
-    tracker.close()
-    policy.shutdown()
-    pool.shutdown()
+    run.finish()

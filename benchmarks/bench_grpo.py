@@ -55,7 +55,16 @@ def main():
     ray.init(include_dashboard=False)
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     workdir = tempfile.mkdtemp()
-    command = [sys.executable, str(ROOT / "algos" / "grpo_hybrid.py"), "--total-steps", str(options.steps), "--no-val-before-train", "--test-freq", str(10**9), *options.script_args]
+    command = [
+        sys.executable,
+        str(ROOT / "algos" / "grpo_hybrid.py"),
+        "--total-steps",
+        str(options.steps),
+        "--no-val-before-train",
+        "--test-freq",
+        str(10**9),
+        *options.script_args,
+    ]
     result = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True)
     if result.returncode:
         sys.exit(f"grpo_hybrid.py failed:\n{result.stderr[-3000:]}")
@@ -72,16 +81,20 @@ def main():
     worker_share = worker_seconds / sum(r["timing/step"] for r in measured)
 
     config = json.loads((run_dir / "config.json").read_text())
-    print(f"GRPO, {options.steps - options.warmup} steps measured after {options.warmup} warm-up steps; "
-          f"{config['num_workers']} workers, {config['train_batch_size']} prompts x {config['n']} samples per step")  # fmt: skip
+    print(
+        f"GRPO, {options.steps - options.warmup} steps measured after {options.warmup} warm-up steps; "
+        f"{config['num_workers']} workers, {config['train_batch_size']} prompts x {config['n']} samples per step"
+    )
     print(f"{'phase':<16}{'seconds':>10}{'share':>9}")
     for phase in phases:
         seconds = np.mean([r[phase] for r in measured])
         print(f"{phase.removeprefix('timing/'):<16}{seconds:>10.4f}{seconds / step_time:>9.1%}")
     print(f"{'step':<16}{step_time:>10.4f}{1:>9.1%}")
     print(f"tokens per second: {np.mean([r['perf/tokens_per_s'] for r in measured]):.0f}")
-    print(f"peak memory: driver {driver_peak_gb:.2f} GB, workers {max(r['actor/peak_memory_gb'] for r in rows):.2f} GB (each, the largest)")
-    print(f"worker compute: {worker_share:.1%} of the step; outside it (dispatch, serialisation, driver work): {1 - worker_share:.1%}")
+    worker_peak_gb = max(r["actor/peak_memory_gb"] for r in rows)
+    print(f"peak memory: driver {driver_peak_gb:.2f} GB, workers {worker_peak_gb:.2f} GB (each, the largest)")
+    outside = 1 - worker_share
+    print(f"worker compute: {worker_share:.1%} of the step; outside it (dispatch, serialisation, driver work): {outside:.1%}")
     ray.shutdown()
 
 

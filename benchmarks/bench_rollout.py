@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.dataproto import DataProto  # noqa: E402
+from common.weight_sync import engine_adapter  # noqa: E402
 from common.workers import PolicyWorker, ResourcePool, WorkerGroup, init_ray  # noqa: E402
 
 VOCAB = 32000
@@ -62,12 +63,12 @@ class TimedPolicy(PolicyWorker):
     def time_sync(self) -> tuple[float, int]:
         """Seconds for one weight sync to the engine, and the parameters it sent."""
         sent = (
-            sum(t.numel() for t in self._engine_adapter().values())
+            sum(t.numel() for t in engine_adapter(self.model).values())
             if self.lora
             else sum(p.numel() for p in self.model.parameters())
         )
         start = time.perf_counter()
-        self._sync_weights()
+        self.rollout.sync_weights()
         return time.perf_counter() - start, sent
 
 
@@ -84,7 +85,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=3, help="timed generate calls per engine, after one warm-up call")
     parser.add_argument("--num-workers", type=int, default=2, help="policy workers (one CPU slot each without GPUs)")
     parser.add_argument("--lora-rank", type=int, default=16, help="rank of the adapter whose sync is timed")
-    parser.add_argument("--rollout-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="what the vllm engine computes in")
+    parser.add_argument(
+        "--rollout-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="what the vllm engine computes in"
+    )
     args = parser.parse_args()
 
     model_path = tempfile.mkdtemp(prefix="bench_rollout_")
@@ -104,7 +107,7 @@ def main():
             start = time.perf_counter()
             output = policy.scatter("generate", batch, max_response_length=args.new_tokens)
             seconds.append(time.perf_counter() - start)
-            tokens.append(output.batch["response_mask"].sum().item())
+            tokens.append(output["response_mask"].sum().item())
         speed[engine] = sum(tokens) / sum(seconds)
         print(
             f"{engine}: {speed[engine]:,.0f} tokens/s ({np.mean(seconds):.2f} s per call of {np.mean(tokens):,.0f} new tokens)"

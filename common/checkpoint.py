@@ -22,17 +22,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-# Flags that may change between a run and its resumption.
-RESUMABLE_CHANGES = {
-    "total_steps", "resume", "force_resume", "track", "wandb_project_name", "wandb_entity", "save_freq", "keep_last",
-    "test_freq", "val_before_train", "val_batch_size", "val_n", "export_adapter_only", "max_bad_steps", "reward_timeout",
-    "max_rollout_logprob_diff", "max_reward_error_share",
-}  # fmt: skip
-
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
     """The run's whole checkpoints, oldest first."""
-    found = [p for p in (Path(run_dir) / "checkpoints").glob("step_*") if re.fullmatch(r"step_\d+", p.name) and (p / "driver.pt").exists()]
+    found = [
+        p
+        for p in (Path(run_dir) / "checkpoints").glob("step_*")
+        if re.fullmatch(r"step_\d+", p.name) and (p / "driver.pt").exists()
+    ]
     return sorted(found, key=lambda p: int(p.name.removeprefix("step_")))
 
 
@@ -63,18 +60,27 @@ def find_checkpoint(resume: str | None, runs_dir: str, run_prefix: str) -> Path 
         return max(candidates, key=lambda c: (c / "driver.pt").stat().st_mtime).resolve() if candidates else None
     path = Path(resume).resolve()
     if not (path / "driver.pt").exists():
-        raise ValueError(f"--resume {resume}: not a complete checkpoint (no driver.pt); pass a checkpoints/step_<N> folder or 'auto'")
+        raise ValueError(
+            f"--resume {resume}: not a complete checkpoint (no driver.pt); pass a checkpoints/step_<N> folder or 'auto'"
+        )
     return path
 
 
 def check_config(checkpoint: Path, args, force: bool) -> None:
-    """Refuse to resume a checkpoint made with other settings, unless forced."""
+    """Refuse to resume a checkpoint made with other settings, unless forced.
+
+    A field of `args` whose metadata says `resumable` may differ (see common.run.flag).
+    """
     saved = json.loads((checkpoint / "config.json").read_text())
     current = json.loads(json.dumps(dataclasses.asdict(args), default=str))
-    changed = {k: (saved.get(k), v) for k, v in current.items() if k not in RESUMABLE_CHANGES and saved.get(k) != v}
+    resumable = {field.name for field in dataclasses.fields(args) if field.metadata.get("resumable")}
+    changed = {k: (saved.get(k), v) for k, v in current.items() if k not in resumable and saved.get(k) != v}
     if changed and not force:
         details = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
-        raise ValueError(f"checkpoint {checkpoint} was made with other settings ({details}); resume with the same flags, or pass --force-resume")
+        raise ValueError(
+            f"checkpoint {checkpoint} was made with other settings ({details}); "
+            "resume with the same flags, or pass --force-resume"
+        )
 
 
 def load_checkpoint(checkpoint: Path, groups: dict) -> dict:
@@ -100,4 +106,5 @@ class StopRequest:
         if self.requested:  # a second signal: stop now
             raise KeyboardInterrupt
         self.requested = True
-        print(f"\n{signal.Signals(signum).name}: saving a checkpoint after this step, then stopping (send it again to stop at once)", flush=True)
+        name = signal.Signals(signum).name
+        print(f"\n{name}: saving a checkpoint after this step, then stopping (send it again to stop at once)", flush=True)

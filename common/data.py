@@ -51,8 +51,14 @@ def check_row(row, path: str, index: int) -> None:
     if not isinstance(prompt, (list, tuple)) or not prompt:
         raise DataError(f"{where}: field 'prompt' must be a non-empty list of chat messages, got {type(prompt).__name__}")
     for message in prompt:
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str) or not isinstance(message.get("role"), str):
-            raise DataError(f"{where}: field 'prompt' must hold messages like {{'role': 'user', 'content': '...'}}, got {message!r}")
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("content"), str)
+            or not isinstance(message.get("role"), str)
+        ):
+            raise DataError(
+                f"{where}: field 'prompt' must hold messages like {{'role': 'user', 'content': '...'}}, got {message!r}"
+            )
     if not isinstance(row.get("data_source"), str):
         raise DataError(f"{where}: field 'data_source' must be a string naming the reward function")
     reward_model = row.get("reward_model")
@@ -102,21 +108,31 @@ def load_prompts(files: list[str], tokenizer, max_prompt_length: int, truncate: 
 
 def collate(rows: DataProto, pad_token_id: int) -> DataProto:
     """Left-pad the prompts of `rows` into `prompts` and `prompt_mask`."""
-    longest = max(len(ids) for ids in rows.non_tensor["prompt_ids"])
+    longest = max(len(ids) for ids in rows["prompt_ids"])
     prompts = torch.full((len(rows), longest), pad_token_id, dtype=torch.long)
     prompt_mask = torch.zeros((len(rows), longest), dtype=torch.long)
-    for i, ids in enumerate(rows.non_tensor["prompt_ids"]):
+    for i, ids in enumerate(rows["prompt_ids"]):
         prompts[i, longest - len(ids) :] = torch.tensor(ids, dtype=torch.long)
         prompt_mask[i, longest - len(ids) :] = 1
-    return DataProto({"prompts": prompts, "prompt_mask": prompt_mask}, dict(rows.non_tensor), {})
+    return DataProto({"prompts": prompts, "prompt_mask": prompt_mask}, dict(rows.non_tensors))
 
 
 class PromptLoader:
     """Batches of prompts, reshuffled every epoch, with a position that can be saved and restored."""
 
-    def __init__(self, dataset: DataProto, batch_size: int, pad_token_id: int, shuffle: bool = True, seed: int = 1, drop_last: bool = True):
+    def __init__(
+        self,
+        dataset: DataProto,
+        batch_size: int,
+        pad_token_id: int,
+        shuffle: bool = True,
+        seed: int = 1,
+        drop_last: bool = True,
+    ):
         if drop_last and batch_size > len(dataset):
-            raise DataError(f"a batch of {batch_size} prompts is larger than the dataset ({len(dataset)} prompts); lower the batch size")
+            raise DataError(
+                f"a batch of {batch_size} prompts is larger than the dataset ({len(dataset)} prompts); lower the batch size"
+            )
         self.dataset, self.batch_size, self.pad_token_id = dataset, batch_size, pad_token_id
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.epoch, self.batch_index = 0, 0
@@ -137,7 +153,7 @@ class PromptLoader:
             index = order[self.batch_index * self.batch_size : (self.batch_index + 1) * self.batch_size]
             self.batch_index += 1
             batch = collate(self.dataset[index], self.pad_token_id)
-            batch.non_tensor["uid"] = np.array([f"{self.epoch}-{i}" for i in index], dtype=object)
+            batch["uid"] = [f"{self.epoch}-{i}" for i in index]
             yield batch
         self.epoch, self.batch_index = self.epoch + 1, 0
 
@@ -152,18 +168,12 @@ class PromptLoader:
         self.epoch, self.batch_index = state["epoch"], state["batch_index"]
 
 
-def check_positive(args, *fields: str) -> None:
-    """Each named field of `args` (a size, a count, a frequency) must be above 0."""
-    for field in fields:
-        value = getattr(args, field)
-        if not value > 0:
-            raise ValueError(f"--{field.replace('_', '-')} is {value}; it must be above 0")
-
-
 def check_batch_sizes(train_batch_size: int, mini_batch_size: int, n: int, num_workers: int) -> None:
     """Every rank must get the same whole number of sequences per mini-batch."""
     if train_batch_size % mini_batch_size:
-        raise ValueError(f"--train-batch-size {train_batch_size} is not a multiple of --mini-batch-size {mini_batch_size}; make it one")
+        raise ValueError(
+            f"--train-batch-size {train_batch_size} is not a multiple of --mini-batch-size {mini_batch_size}; make it one"
+        )
     if mini_batch_size * n % num_workers:
         raise ValueError(
             f"a mini-batch of {mini_batch_size} prompts x {n} samples = {mini_batch_size * n} sequences "

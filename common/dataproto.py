@@ -1,8 +1,9 @@
 """The batch that flows between the driver and the workers.
 
-A `DataProto` is three dicts that share one leading batch dimension:
-`batch` holds tensors, `non_tensor` holds numpy object arrays (strings, ground
-truths, uids, dicts), and `meta` holds anything that is not per-sample.
+A `DataProto` is two dicts that share one leading batch dimension: `tensors`
+and `non_tensors`, numpy object arrays (strings, ground truths, uids, dicts).
+`data["advantages"]` reads or writes a field of either kind; `data[rows]`
+(an int, a slice, a list of ints or a boolean mask) selects rows.
 """
 
 from __future__ import annotations
@@ -21,40 +22,54 @@ def _as_object_array(values) -> np.ndarray:
 
 @dataclass
 class DataProto:
-    batch: dict[str, torch.Tensor] = field(default_factory=dict)
-    non_tensor: dict[str, np.ndarray] = field(default_factory=dict)
-    meta: dict = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    non_tensors: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __post_init__(self):
-        lengths = {k: len(v) for k, v in {**self.batch, **self.non_tensor}.items()}
+        lengths = {k: len(v) for k, v in {**self.tensors, **self.non_tensors}.items()}
         if len(set(lengths.values())) > 1:
             raise ValueError(f"every field of a DataProto needs the same batch size, got {lengths}")
 
     @classmethod
-    def from_dict(cls, tensors: dict | None = None, non_tensors: dict | None = None, meta: dict | None = None):
+    def from_dict(cls, tensors: dict | None = None, non_tensors: dict | None = None):
         """Build from tensors and from lists (or arrays) of arbitrary Python objects."""
-        non_tensor = {k: _as_object_array(v) for k, v in (non_tensors or {}).items()}
-        return cls(dict(tensors or {}), non_tensor, dict(meta or {}))
+        return cls(dict(tensors or {}), {k: _as_object_array(v) for k, v in (non_tensors or {}).items()})
 
     def __len__(self) -> int:
-        for value in (*self.batch.values(), *self.non_tensor.values()):
+        for value in (*self.tensors.values(), *self.non_tensors.values()):
             return len(value)
         return 0
 
     def keys(self) -> list[str]:
-        return [*self.batch, *self.non_tensor]
+        return [*self.tensors, *self.non_tensors]
 
-    def __getitem__(self, index) -> DataProto:
-        """Rows by int, slice, list of ints, or boolean mask (tensor or array)."""
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors or key in self.non_tensors
+
+    def __setitem__(self, key: str, value) -> None:
+        """A field: a tensor, or a list or array of any objects, one per row."""
+        if len(self) and len(value) != len(self):
+            raise ValueError(f"field '{key}' has {len(value)} rows, the DataProto {len(self)}")
+        if isinstance(value, torch.Tensor):
+            self.tensors[key] = value
+        else:
+            self.non_tensors[key] = _as_object_array(value)
+
+    def __getitem__(self, index):
+        """A field by name; or rows by int, slice, list of ints, or boolean mask (tensor or array)."""
+        if isinstance(index, str):
+            if index in self.tensors:
+                return self.tensors[index]
+            if index in self.non_tensors:
+                return self.non_tensors[index]
+            raise KeyError(f"no field '{index}'; have {self.keys()}")
         if isinstance(index, int):
             index = slice(index, index + 1) if index != -1 else slice(-1, None)
         if isinstance(index, torch.Tensor):
             index = index.cpu().numpy()
         if isinstance(index, slice):
             return DataProto(
-                {k: v[index] for k, v in self.batch.items()},
-                {k: v[index] for k, v in self.non_tensor.items()},
-                dict(self.meta),
+                {k: v[index] for k, v in self.tensors.items()}, {k: v[index] for k, v in self.non_tensors.items()}
             )
         index = np.asarray(index)
         if index.dtype == bool:
@@ -63,29 +78,20 @@ class DataProto:
             index = np.flatnonzero(index)
         positions = torch.as_tensor(index, dtype=torch.long)
         return DataProto(
-            {k: v[positions.to(v.device)] for k, v in self.batch.items()},
-            {k: v[index] for k, v in self.non_tensor.items()},
-            dict(self.meta),
+            {k: v[positions.to(v.device)] for k, v in self.tensors.items()}, {k: v[index] for k, v in self.non_tensors.items()}
         )
 
     def union(self, other: DataProto) -> DataProto:
         """All fields of both; a key present in both must hold equal values."""
         if len(self) and len(other) and len(self) != len(other):
             raise ValueError(f"cannot union DataProtos of lengths {len(self)} and {len(other)}")
-        for key in other.batch.keys() & self.batch.keys():
-            if not torch.equal(self.batch[key], other.batch[key]):
+        for key in other.tensors.keys() & self.tensors.keys():
+            if not torch.equal(self.tensors[key], other.tensors[key]):
                 raise ValueError(f"union: tensor '{key}' is in both DataProtos with different values")
-        for key in other.non_tensor.keys() & self.non_tensor.keys():
-            if not np.array_equal(self.non_tensor[key], other.non_tensor[key]):
+        for key in other.non_tensors.keys() & self.non_tensors.keys():
+            if not np.array_equal(self.non_tensors[key], other.non_tensors[key]):
                 raise ValueError(f"union: field '{key}' is in both DataProtos with different values")
-        for key in other.meta.keys() & self.meta.keys():
-            if self.meta[key] != other.meta[key]:
-                raise ValueError(f"union: meta '{key}' is in both DataProtos with different values")
-        return DataProto(
-            {**self.batch, **other.batch},
-            {**self.non_tensor, **other.non_tensor},
-            {**self.meta, **other.meta},
-        )
+        return DataProto({**self.tensors, **other.tensors}, {**self.non_tensors, **other.non_tensors})
 
     __or__ = union
 
@@ -95,9 +101,8 @@ class DataProto:
         if any(k != keys[0] for k in keys):
             raise ValueError(f"concat needs the same fields in every part, got {keys}")
         return DataProto(
-            {k: torch.cat([p.batch[k] for p in parts]) for k in parts[0].batch},
-            {k: np.concatenate([p.non_tensor[k] for p in parts]) for k in parts[0].non_tensor},
-            dict(parts[0].meta),
+            {k: torch.cat([p.tensors[k] for p in parts]) for k in parts[0].tensors},
+            {k: np.concatenate([p.non_tensors[k] for p in parts]) for k in parts[0].non_tensors},
         )
 
     def split(self, size: int) -> list[DataProto]:
@@ -107,7 +112,9 @@ class DataProto:
     def chunk(self, chunks: int) -> list[DataProto]:
         """`chunks` equal parts; the length must divide evenly (pad first if it does not)."""
         if len(self) % chunks:
-            raise ValueError(f"cannot chunk a DataProto of length {len(self)} into {chunks} equal parts; pad_to_multiple({chunks}) first")
+            raise ValueError(
+                f"cannot chunk a DataProto of length {len(self)} into {chunks} equal parts; pad_to_multiple({chunks}) first"
+            )
         return self.split(len(self) // chunks)
 
     def repeat(self, times: int, interleave: bool = True) -> DataProto:
@@ -119,29 +126,12 @@ class DataProto:
         return self[index]
 
     def select(self, *keys: str) -> DataProto:
-        missing = [k for k in keys if k not in self.batch and k not in self.non_tensor]
+        missing = [k for k in keys if k not in self]
         if missing:
             raise KeyError(f"select: no field {missing}; have {self.keys()}")
         return DataProto(
-            {k: v for k, v in self.batch.items() if k in keys},
-            {k: v for k, v in self.non_tensor.items() if k in keys},
-            dict(self.meta),
+            {k: v for k, v in self.tensors.items() if k in keys}, {k: v for k, v in self.non_tensors.items() if k in keys}
         )
-
-    def pop(self, *keys: str) -> DataProto:
-        """Remove `keys` from this DataProto and return them as a new one."""
-        popped = self.select(*keys)
-        for key in keys:
-            self.batch.pop(key, None)
-            self.non_tensor.pop(key, None)
-        return popped
-
-    def reorder(self, indices) -> None:
-        """Permute the rows in place."""
-        reordered = self[indices]
-        if len(reordered) != len(self):
-            raise ValueError(f"reorder needs {len(self)} indices, got {len(reordered)}")
-        self.batch, self.non_tensor = reordered.batch, reordered.non_tensor
 
     def pad_to_multiple(self, multiple: int) -> tuple[DataProto, int]:
         """Append copies of the first rows until the length divides by `multiple`."""
@@ -155,4 +145,4 @@ class DataProto:
         return self[: len(self) - pad] if pad else self
 
     def to(self, device) -> DataProto:
-        return DataProto({k: v.to(device) for k, v in self.batch.items()}, self.non_tensor, self.meta)
+        return DataProto({k: v.to(device) for k, v in self.tensors.items()}, self.non_tensors)

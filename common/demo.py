@@ -83,7 +83,9 @@ def warm_start(path: str, problems: list[tuple[int, int]]) -> None:
         labels[i, len(prompt) : len(sequence)] = torch.tensor(answer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=WARM_START_LR)
     for _ in range(WARM_START_STEPS):
-        loss = model(input_ids=input_ids, attention_mask=(labels != -100) | (input_ids != tokenizer.pad_token_id), labels=labels).loss
+        loss = model(
+            input_ids=input_ids, attention_mask=(labels != -100) | (input_ids != tokenizer.pad_token_id), labels=labels
+        ).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -127,13 +129,18 @@ def prepare() -> tuple[str, str, str]:
 
 
 def apply(args_cls, **settings):
-    """Parse the command line again, with the demo's model, data and `settings` as defaults.
+    """Parse the command line again, with the demo's model and data, the task's lengths and `settings` as defaults.
 
     Flags the user wrote still win; only the defaults change.
     """
     import tyro
 
+    from common.rollout import check_torchvision
+
+    check_torchvision()  # building the model imports transformers' models
     model_path, train_file, val_file = prepare()
     print(f"built-in demo: tiny model at {model_path}, addition task; demo defaults {settings}")
-    demo_defaults = args_cls(model_path=model_path, train_files=[train_file], val_files=[val_file], **settings)
+    # Prompts like "7+8=" and answers like "15" plus EOS: every micro-batch fits in one forward.
+    task = dict(max_prompt_length=8, max_response_length=4, micro_batch_size=256)
+    demo_defaults = args_cls(model_path=model_path, train_files=[train_file], val_files=[val_file], **(task | settings))
     return tyro.cli(args_cls, default=demo_defaults)

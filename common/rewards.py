@@ -89,7 +89,7 @@ def check_data_sources(data: DataProto, reward_fn) -> None:
     """Fail before training when the built-in rewards do not cover a data source."""
     if reward_fn is not default_reward:
         return
-    unknown = sorted(set(data.non_tensor["data_source"]) - BUILTIN_REWARDS.keys())
+    unknown = sorted(set(data["data_source"]) - BUILTIN_REWARDS.keys())
     if unknown:
         raise ValueError(
             f"no built-in reward for data_source {unknown}; built in: {sorted(BUILTIN_REWARDS)}. "
@@ -130,7 +130,7 @@ class RewardError(RuntimeError):
 
 def score(batch: DataProto, tokenizer, reward_fn, **limits) -> tuple[torch.Tensor, dict]:
     """One scalar score per response of `batch` (see score_texts)."""
-    return score_texts(tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True), batch, reward_fn, **limits)
+    return score_texts(tokenizer.batch_decode(batch["responses"], skip_special_tokens=True), batch, reward_fn, **limits)
 
 
 def score_value(result) -> float:
@@ -159,7 +159,7 @@ def score_texts(
     before any update uses these scores.
     """
     scores, errors, timeouts, first_failure = [], 0, 0, None
-    for text, source, truth, extra in zip(texts, *(batch.non_tensor[k] for k in ("data_source", "ground_truth", "extra_info"))):
+    for text, source, truth, extra in zip(texts, *(batch[k] for k in ("data_source", "ground_truth", "extra_info"))):
         try:
             with time_limit(timeout):
                 result = reward_fn(source, text, truth, extra)
@@ -197,21 +197,22 @@ def validate(policy, val_loader, tokenizer, reward_fn, sampling: dict, n: int = 
     reward_metrics = defaultdict(int)
     for batch in val_loader:
         batch = batch.repeat(n, interleave=True)
-        generation = dict(sampling, do_sample=True) if n > 1 else dict(max_response_length=sampling["max_response_length"], do_sample=False)
-        batch |= policy.scatter("generate", batch.select("prompts", "prompt_mask"), **generation)
-        responses = tokenizer.batch_decode(batch.batch["responses"], skip_special_tokens=True)
+        batch |= policy.scatter("generate", batch.select("prompts", "prompt_mask"), **sampling, do_sample=n > 1)
+        responses = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
         scores, metrics = score_texts(responses, batch, reward_fn, **limits)
         for key, value in metrics.items():
             reward_metrics[key] += value
         for i, value in enumerate(scores.tolist()):
-            source, uid = batch.non_tensor["data_source"][i], batch.non_tensor["uid"][i]
+            source, uid = batch["data_source"][i], batch["uid"][i]
             by_source[source].append(value)
             group_best[uid] = max(group_best[uid], value)
-            samples.append(
-                {"prompt": batch.non_tensor["prompt_text"][i], "response": responses[i], "ground_truth": batch.non_tensor["ground_truth"][i], "score": value}
-            )
+            prompt, truth = batch["prompt_text"][i], batch["ground_truth"][i]
+            samples.append({"prompt": prompt, "response": responses[i], "ground_truth": truth, "score": value})
     all_scores = [s["score"] for s in samples]
-    metrics = {"val/accuracy": float(np.mean(all_scores)), **{f"val/{k.removeprefix('reward/')}": v for k, v in reward_metrics.items()}}
+    metrics = {
+        "val/accuracy": float(np.mean(all_scores)),
+        **{f"val/{k.removeprefix('reward/')}": v for k, v in reward_metrics.items()},
+    }
     metrics.update({f"val/accuracy/{source}": float(np.mean(values)) for source, values in by_source.items()})
     if n > 1:
         metrics[f"val/mean@{n}"] = metrics["val/accuracy"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from contextlib import contextmanager
@@ -10,15 +9,24 @@ from pathlib import Path
 
 
 class Tracker:
-    """Appends every step's metrics to runs/<run name>/metrics.jsonl, and to wandb with `track`."""
+    """Appends every step's metrics to runs/<run name>/metrics.jsonl, and to wandb when given a project."""
 
-    def __init__(self, algo: str, args, runs_dir: str = "runs", resume_from: Path | None = None):
-        """A new run, or the run of checkpoint `resume_from` (runs/<run>/checkpoints/step_<N>) continued."""
+    def __init__(
+        self,
+        run_prefix: str,
+        config: dict,
+        resume_from: Path | None = None,
+        wandb_project: str | None = None,
+        wandb_entity: str | None = None,
+        runs_dir: str = "runs",
+    ):
+        """A new run, runs/<run_prefix>__<unix time>, or the run of checkpoint `resume_from`
+        (runs/<run name>/checkpoints/step_<N>) continued. `config` goes to config.json and to wandb."""
+        new_run = Path(runs_dir) / f"{run_prefix}__{int(time.time())}"
         # Absolute: workers, on this node or others, may run in another directory.
-        self.run_dir = (resume_from.parent.parent if resume_from else Path(runs_dir) / f"{algo}__{args.exp_name}__{args.seed}__{int(time.time())}").resolve()
+        self.run_dir = (resume_from.parent.parent if resume_from else new_run).resolve()
         self.run_name = self.run_dir.name
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        config = dataclasses.asdict(args)
         (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
         metrics_path = self.run_dir / "metrics.jsonl"
         if resume_from and metrics_path.exists():
@@ -28,13 +36,18 @@ class Tracker:
             metrics_path.write_text("".join(row + "\n" for row in rows if json.loads(row)["step"] <= resume_step))
         self.metrics_file = open(metrics_path, "a")
         self.wandb = None
-        if args.track:
+        if wandb_project is not None:
             import wandb
 
             self.wandb = wandb.init(
-                project=args.wandb_project_name, entity=args.wandb_entity, name=self.run_name, config=config,
-                dir=str(self.run_dir), id=self.run_name, resume="allow",
-            )  # fmt: skip
+                project=wandb_project,
+                entity=wandb_entity,
+                name=self.run_name,
+                config=config,
+                dir=str(self.run_dir),
+                id=self.run_name,
+                resume="allow",
+            )
 
     def log(self, metrics: dict, step: int) -> None:
         self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")

@@ -82,3 +82,18 @@ def lora_scaling(model) -> dict[str, float]:
     from peft.tuners.lora import LoraLayer
 
     return {name: module.scaling[ADAPTER] for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+
+
+def engine_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) of every weight of a sharded policy, a LoRA adapter merged in, gathered one FSDP
+    unit at a time (a collective: call every rank)."""
+    lora = hasattr(model, "peft_config")
+    scaling = lora_scaling(model) if lora else {}
+    for unit in gathered_units(model):
+        yield from (merged_weights(unit, scaling) if lora else base_weights(unit)).items()
+
+
+def engine_adapter(model) -> dict[str, torch.Tensor]:
+    """The LoRA adapter of a sharded policy, whole, named as PEFT saves it (a collective: call every rank)."""
+    model.reshard()
+    return adapter_weights({name: param.full_tensor() for name, param in model.named_parameters() if is_adapter(name)})

@@ -35,7 +35,9 @@ def test_clip_higher_defaults():
     loss, _ = compute_policy_loss(old, new, torch.ones(1, 2), mask, 0.2, 0.28, 10.0, "token-mean")
     assert loss.item() == pytest.approx((-1.28 - 0.7) / 2)
     # ratio 20 with A=-1: the dual clip caps the loss at c = 10
-    loss, _ = compute_policy_loss(torch.zeros(1, 1), torch.tensor([[np.log(20.0)]]), -torch.ones(1, 1), torch.ones(1, 1), 0.2, 0.28, 10.0, "token-mean")
+    loss, _ = compute_policy_loss(
+        torch.zeros(1, 1), torch.tensor([[np.log(20.0)]]), -torch.ones(1, 1), torch.ones(1, 1), 0.2, 0.28, 10.0, "token-mean"
+    )
     assert loss.item() == pytest.approx(10.0)
 
 

@@ -10,7 +10,12 @@ from common.data import DataError, PromptLoader, check_batch_sizes, collate, loa
 
 
 def row(content="1+2=", truth="3", source="addition"):
-    return {"prompt": [{"role": "user", "content": content}], "data_source": source, "reward_model": {"ground_truth": truth}, "extra_info": {"k": 1}}
+    return {
+        "prompt": [{"role": "user", "content": content}],
+        "data_source": source,
+        "reward_model": {"ground_truth": truth},
+        "extra_info": {"k": 1},
+    }
 
 
 def write_jsonl(path, rows):
@@ -23,10 +28,10 @@ def test_parquet_and_jsonl_load_the_same(tmp_path, tokenizer):
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
     from_parquet = load_prompts([str(tmp_path / "d.parquet")], tokenizer, 16)
     from_jsonl = load_prompts([write_jsonl(tmp_path / "d.jsonl", rows)], tokenizer, 16)
-    assert list(from_parquet.non_tensor["prompt_ids"]) == list(from_jsonl.non_tensor["prompt_ids"])
-    assert list(from_parquet.non_tensor["ground_truth"]) == ["3", "8"]
-    assert from_parquet.non_tensor["extra_info"][0] == {"k": 1}
-    assert tokenizer.decode(from_parquet.non_tensor["prompt_ids"][1]) == "4+4="
+    assert list(from_parquet["prompt_ids"]) == list(from_jsonl["prompt_ids"])
+    assert list(from_parquet["ground_truth"]) == ["3", "8"]
+    assert from_parquet["extra_info"][0] == {"k": 1}
+    assert tokenizer.decode(from_parquet["prompt_ids"][1]) == "4+4="
 
 
 @pytest.mark.parametrize(
@@ -66,37 +71,39 @@ def test_long_prompt_is_an_error_or_truncated(tmp_path, tokenizer):
     with pytest.raises(DataError, match=r"long.jsonl, row 1: the prompt has 12 tokens, more than --max-prompt-length 8"):
         load_prompts([path], tokenizer, 8)
     data = load_prompts([path], tokenizer, 8, truncate=True)
-    assert tokenizer.decode(data.non_tensor["prompt_ids"][1]) == "5+67890="
+    assert tokenizer.decode(data["prompt_ids"][1]) == "5+67890="
 
 
 def test_chat_template_applied_when_present(tmp_path, tokenizer):
     templated = type(tokenizer).from_pretrained(tokenizer.name_or_path)
-    templated.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+    templated.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+    )
     data = load_prompts([write_jsonl(tmp_path / "d.jsonl", [row()])], templated, 32)
-    assert data.non_tensor["prompt_text"][0] == "<user>1+2=<a>"
+    assert data["prompt_text"][0] == "<user>1+2=<a>"
     plain = load_prompts([write_jsonl(tmp_path / "d.jsonl", [row()])], tokenizer, 32)
-    assert plain.non_tensor["prompt_text"][0] == "1+2="
+    assert plain["prompt_text"][0] == "1+2="
 
 
 def test_collate_left_pads(tokenizer, tmp_path):
     data = load_prompts([write_jsonl(tmp_path / "d.jsonl", [row("1+2="), row("10+20=")])], tokenizer, 16)
     batch = collate(data, tokenizer.pad_token_id)
-    assert batch.batch["prompt_mask"].tolist() == [[0, 0, 1, 1, 1, 1], [1] * 6]
-    assert batch.batch["prompts"][0, :2].tolist() == [tokenizer.pad_token_id] * 2
+    assert batch["prompt_mask"].tolist() == [[0, 0, 1, 1, 1, 1], [1] * 6]
+    assert batch["prompts"][0, :2].tolist() == [tokenizer.pad_token_id] * 2
 
 
 def test_loader_epochs_shuffle_and_resume(tokenizer, tmp_path):
     data = load_prompts([write_jsonl(tmp_path / "d.jsonl", [row(f"{i}+0=", str(i)) for i in range(10)])], tokenizer, 16)
     loader = PromptLoader(data, 3, tokenizer.pad_token_id, seed=7)
     stream = loader.forever()
-    first_epoch = [list(next(stream).non_tensor["ground_truth"]) for _ in range(3)]
+    first_epoch = [list(next(stream)["ground_truth"]) for _ in range(3)]
     assert len({t for batch in first_epoch for t in batch}) == 9  # 3 full batches, the last row dropped
     state = loader.state_dict()
-    following = [list(next(stream).non_tensor["ground_truth"]) for _ in range(4)]
+    following = [list(next(stream)["ground_truth"]) for _ in range(4)]
     resumed = PromptLoader(data, 3, tokenizer.pad_token_id, seed=7)
     resumed.load_state_dict(state)
     resumed_stream = resumed.forever()
-    assert [list(next(resumed_stream).non_tensor["ground_truth"]) for _ in range(4)] == following
+    assert [list(next(resumed_stream)["ground_truth"]) for _ in range(4)] == following
     with pytest.raises(DataError, match="batch of 11 prompts is larger than the dataset"):
         PromptLoader(data, 11, tokenizer.pad_token_id)
 

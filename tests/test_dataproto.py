@@ -11,15 +11,14 @@ def make(n=5):
     return DataProto.from_dict(
         {"x": torch.arange(n), "y": torch.arange(2 * n).view(n, 2).float()},
         {"name": [f"s{i}" for i in range(n)], "info": [{"i": i} for i in range(n)]},
-        {"tag": "t"},
     )
 
 
 def test_from_dict_and_length():
     data = make()
     assert len(data) == 5
-    assert data.non_tensor["name"].dtype == object
-    assert data.non_tensor["info"][3] == {"i": 3}
+    assert data["name"].dtype == object
+    assert data["info"][3] == {"i": 3}
     assert sorted(data.keys()) == ["info", "name", "x", "y"]
 
 
@@ -49,8 +48,8 @@ def test_concat_split_chunk():
     parts = data.split(2)
     assert [len(p) for p in parts] == [2, 2, 1]
     whole = DataProto.concat(parts)
-    assert torch.equal(whole.batch["y"], data.batch["y"])
-    assert list(whole.non_tensor["name"]) == list(data.non_tensor["name"])
+    assert torch.equal(whole["y"], data["y"])
+    assert list(whole["name"]) == list(data["name"])
     with pytest.raises(ValueError, match="pad_to_multiple"):
         data.chunk(2)
     assert [len(p) for p in make(6).chunk(3)] == [2, 2, 2]
@@ -60,49 +59,45 @@ def test_concat_split_chunk():
 
 def test_repeat_interleaved_and_tiled():
     data = make(3)
-    assert data.repeat(2, interleave=True).batch["x"].tolist() == [0, 0, 1, 1, 2, 2]
-    assert data.repeat(2, interleave=False).batch["x"].tolist() == [0, 1, 2, 0, 1, 2]
-    assert list(data.repeat(2).non_tensor["name"]) == ["s0", "s0", "s1", "s1", "s2", "s2"]
+    assert data.repeat(2, interleave=True)["x"].tolist() == [0, 0, 1, 1, 2, 2]
+    assert data.repeat(2, interleave=False)["x"].tolist() == [0, 1, 2, 0, 1, 2]
+    assert list(data.repeat(2)["name"]) == ["s0", "s0", "s1", "s1", "s2", "s2"]
 
 
-def test_select_pop():
+def test_select_and_fields_by_name():
     data = make()
-    popped = data.pop("y", "info")
-    assert sorted(popped.keys()) == ["info", "y"]
-    assert sorted(data.keys()) == ["name", "x"]
+    assert sorted(data.select("y", "info").keys()) == ["info", "y"]
     with pytest.raises(KeyError, match="no field"):
         data.select("nope")
+    with pytest.raises(KeyError, match="no field 'nope'"):
+        data["nope"]
+    data["score"] = torch.ones(5)
+    data["label"] = ["a"] * 5
+    assert "score" in data.tensors and data["label"].dtype == object and "label" in data
+    with pytest.raises(ValueError, match="field 'short' has 2 rows, the DataProto 5"):
+        data["short"] = torch.ones(2)
 
 
 def test_index_by_list_mask_slice_and_int():
     data = make(5)
-    assert data[[4, 0]].batch["x"].tolist() == [4, 0]
-    assert list(data[[4, 0]].non_tensor["name"]) == ["s4", "s0"]
+    assert data[[4, 0]]["x"].tolist() == [4, 0]
+    assert list(data[[4, 0]]["name"]) == ["s4", "s0"]
     mask = torch.tensor([True, False, True, False, False])
-    assert data[mask].batch["x"].tolist() == [0, 2]
-    assert data[np.array([False, True, False, False, True])].batch["x"].tolist() == [1, 4]
-    assert data[1:3].batch["x"].tolist() == [1, 2]
-    assert data[2].batch["x"].tolist() == [2]
-    assert data[-1].batch["x"].tolist() == [4]
+    assert data[mask]["x"].tolist() == [0, 2]
+    assert data[np.array([False, True, False, False, True])]["x"].tolist() == [1, 4]
+    assert data[1:3]["x"].tolist() == [1, 2]
+    assert data[2]["x"].tolist() == [2]
+    assert data[-1]["x"].tolist() == [4]
     with pytest.raises(ValueError, match="boolean mask of length 2"):
         data[np.array([True, False])]
-
-
-def test_reorder_in_place():
-    data = make(4)
-    data.reorder([3, 2, 1, 0])
-    assert data.batch["x"].tolist() == [3, 2, 1, 0]
-    assert list(data.non_tensor["name"]) == ["s3", "s2", "s1", "s0"]
-    with pytest.raises(ValueError, match="needs 4 indices"):
-        data.reorder([0, 1])
 
 
 def test_pad_and_unpad():
     data = make(5)
     padded, pad = data.pad_to_multiple(4)
     assert (len(padded), pad) == (8, 3)
-    assert padded.batch["x"].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
-    assert torch.equal(padded.unpad(pad).batch["x"], data.batch["x"])
+    assert padded["x"].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert torch.equal(padded.unpad(pad)["x"], data["x"])
     same, none = data.pad_to_multiple(5)
     assert none == 0 and same is data
 
@@ -110,8 +105,7 @@ def test_pad_and_unpad():
 def test_to_device_and_pickle():
     data = make()
     moved = data.to("cpu")
-    assert moved.batch["x"].device.type == "cpu"
+    assert moved["x"].device.type == "cpu"
     restored = pickle.loads(pickle.dumps(data))
-    assert torch.equal(restored.batch["y"], data.batch["y"])
-    assert restored.meta == {"tag": "t"}
-    assert list(restored.non_tensor["info"]) == list(data.non_tensor["info"])
+    assert torch.equal(restored["y"], data["y"])
+    assert list(restored["info"]) == list(data["info"])

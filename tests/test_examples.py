@@ -32,8 +32,8 @@ def test_gsm8k_conversion(tmp_path, tokenizer):
     assert converted[0]["prompt"][0]["content"].endswith('output the final answer after "####".')
     pq.write_table(pa.Table.from_pylist(converted), tmp_path / "train.parquet")
     data = load_prompts([str(tmp_path / "train.parquet")], tokenizer, 1000)
-    assert list(data.non_tensor["data_source"]) == ["openai/gsm8k"] * 2
-    assert default_reward("openai/gsm8k", "so #### 2,400", data.non_tensor["ground_truth"][1], {}) == 1.0
+    assert list(data["data_source"]) == ["openai/gsm8k"] * 2
+    assert default_reward("openai/gsm8k", "so #### 2,400", data["ground_truth"][1], {}) == 1.0
 
 
 def test_math_conversion_and_reward(tmp_path, tokenizer):
@@ -43,7 +43,7 @@ def test_math_conversion_and_reward(tmp_path, tokenizer):
     assert converted[0]["extra_info"]["level"] == "Level 1"
     pq.write_table(pa.Table.from_pylist(converted), tmp_path / "test.parquet")
     data = load_prompts([str(tmp_path / "test.parquet")], tokenizer, 1000)
-    truth = data.non_tensor["ground_truth"][0]
+    truth = data["ground_truth"][0]
     assert default_reward("math", "Adding gives \\boxed{0.75}.", truth, {}) == 1.0
     assert default_reward("math", "Adding gives \\boxed{\\frac{2}{3}}.", truth, {}) == 0.0
     assert math.last_boxed("a \\boxed{x} then \\boxed{\\frac{1}{\\sqrt{2}}} end") == "\\frac{1}{\\sqrt{2}}"

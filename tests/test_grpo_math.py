@@ -23,7 +23,9 @@ def test_grpo_advantages_normalised_per_group():
 def test_grpo_advantages_without_std_division_dr_grpo():
     scores = torch.tensor([1.0, 0.0, 0.0, 2.0, 4.0])
     uids = np.array(["a", "a", "a", "b", "b"], dtype=object)
-    assert compute_grpo_advantages(scores, uids, norm_by_std=False).tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, -1.0, 1.0])
+    assert compute_grpo_advantages(scores, uids, norm_by_std=False).tolist() == pytest.approx(
+        [2 / 3, -1 / 3, -1 / 3, -1.0, 1.0]
+    )
 
 
 def test_grpo_advantages_groups_need_not_be_contiguous():

@@ -16,6 +16,7 @@ from common.checkpoint import complete_checkpoints, find_checkpoint, save_checkp
 from common.dataproto import DataProto
 from common.rewards import score
 from common.workers import PolicyWorker, WorkerDied, WorkerGroup
+from test_workers import PolicyProbe
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--train-batch-size", "8", "--mini-batch-size", "4", "--n", "4", "--test-freq", "100", "--no-val-before-train"]
@@ -24,9 +25,13 @@ TINY = ["--train-batch-size", "8", "--mini-batch-size", "4", "--n", "4", "--test
 def start_script(*flags, cwd, algo="grpo"):
     # A session of its own, as a command typed in a terminal has: Ctrl-C reaches its whole process group.
     return subprocess.Popen(
-        [sys.executable, str(ROOT / "algos" / f"{algo}_hybrid.py"), *TINY, *flags], cwd=cwd,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+        [sys.executable, str(ROOT / "algos" / f"{algo}_hybrid.py"), *TINY, *flags],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def run_script(*flags, cwd, algo="grpo"):
@@ -41,7 +46,9 @@ def metric_rows(run_dir):
 
 def comparable(row):
     """Training metrics: not timings, and not validation (the shorter run validates at its last step)."""
-    return {k: v for k, v in row.items() if not k.startswith(("timing/", "perf/", "val/")) and k != "actor/peak_memory_gb"}
+    return {
+        k: v for k, v in row.items() if not k.startswith(("timing/", "perf/", "val/")) and not k.endswith("peak_memory_gb")
+    }
 
 
 def wait_for_steps(run_root: Path, steps: int, process, timeout=300):
@@ -58,7 +65,9 @@ def wait_for_steps(run_root: Path, steps: int, process, timeout=300):
 @pytest.mark.parametrize("algo", ["grpo", "ppo", "dapo"])
 def test_resumed_run_repeats_an_uninterrupted_one_step_for_step(ray_cluster, demo_files, tmp_path, algo):
     (tmp_path / "straight").mkdir()
-    code, _, stderr = run_script("--total-steps", "4", "--save-freq", "1", "--keep-last", "2", cwd=tmp_path / "straight", algo=algo)
+    code, _, stderr = run_script(
+        "--total-steps", "4", "--save-freq", "1", "--keep-last", "2", cwd=tmp_path / "straight", algo=algo
+    )
     assert code == 0, stderr[-3000:]
     [straight] = (tmp_path / "straight" / "runs").iterdir()
     assert [c.name for c in complete_checkpoints(straight)] == ["step_3", "step_4"]
@@ -67,7 +76,10 @@ def test_resumed_run_repeats_an_uninterrupted_one_step_for_step(ray_cluster, dem
     (tmp_path / "resumed").mkdir()
     code, _, stderr = run_script("--total-steps", "2", "--save-freq", "2", cwd=tmp_path / "resumed", algo=algo)
     assert code == 0, stderr[-3000:]
-    code, stdout, stderr = run_script("--total-steps", "4", "--save-freq", "2", "--resume", "auto", cwd=tmp_path / "resumed", algo=algo)
+    # a flag marked resumable may change: DAPO's advice when dynamic sampling runs out is to raise --max-gen-batches
+    raised = ["--max-gen-batches", "20"] if algo == "dapo" else []
+    flags = ["--total-steps", "4", "--save-freq", "2", "--resume", "auto", *raised]
+    code, stdout, stderr = run_script(*flags, cwd=tmp_path / "resumed", algo=algo)
     assert code == 0, stderr[-3000:]
     assert "resumed from" in stdout
     [resumed] = (tmp_path / "resumed" / "runs").iterdir()
@@ -107,7 +119,9 @@ def test_other_config_is_refused_unless_forced_and_export_adapter_only(ray_clust
     assert "was made with other settings (lr: 0.01 -> 0.005)" in stderr and "--force-resume" in stderr
     assert "PolicyWorker" not in stderr
 
-    code, stdout, stderr = run_script("--total-steps", "2", *lora[:-1], "5e-3", "--resume", "auto", "--force-resume", cwd=tmp_path)
+    code, stdout, stderr = run_script(
+        "--total-steps", "2", *lora[:-1], "5e-3", "--resume", "auto", "--force-resume", cwd=tmp_path
+    )
     assert code == 0, stderr[-3000:]
     from transformers import AutoModelForCausalLM
 
@@ -120,11 +134,16 @@ def test_exported_model_is_the_trained_policy(ray_cluster, demo_files, tmp_path)
     """The merged export reproduces the policy's greedy answers on the held-out problems."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    code, _, stderr = run_script("--total-steps", "3", "--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2", "--test-freq", "3", cwd=tmp_path)
+    code, _, stderr = run_script(
+        "--total-steps", "3", "--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2", "--test-freq", "3", cwd=tmp_path
+    )
     assert code == 0, stderr[-3000:]
     [run_dir] = (tmp_path / "runs").iterdir()
     samples = [json.loads(line) for line in (run_dir / "validation" / "step_3.jsonl").read_text().splitlines()]
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(run_dir / "model"), AutoTokenizer.from_pretrained(run_dir / "model")
+    model, tokenizer = (
+        AutoModelForCausalLM.from_pretrained(run_dir / "model"),
+        AutoTokenizer.from_pretrained(run_dir / "model"),
+    )
     for sample in samples[:10]:
         prompt = tokenizer(sample["prompt"], return_tensors="pt")
         output = model.generate(**prompt, max_new_tokens=4, do_sample=False)
@@ -135,7 +154,11 @@ def test_a_dead_worker_stops_the_run_by_name_and_the_checkpoint_resumes(ray_clus
     started = time.time()
     process = start_script("--total-steps", "500", "--save-freq", "1", cwd=tmp_path)
     run_dir = wait_for_steps(tmp_path, 2, process)
-    workers = [p for p in psutil.process_iter(["cmdline", "create_time"]) if "ray::PolicyWorker" in " ".join(p.info["cmdline"] or []) and p.info["create_time"] >= started - 1]
+    workers = [
+        p
+        for p in psutil.process_iter(["cmdline", "create_time"])
+        if "ray::PolicyWorker" in " ".join(p.info["cmdline"] or []) and p.info["create_time"] >= started - 1
+    ]
     assert workers
     workers[-1].kill()
     _, stderr = process.communicate(timeout=120)
@@ -179,19 +202,21 @@ def test_a_reward_broken_for_every_sample_stops_at_the_first_step(ray_cluster, d
 def test_nan_loss_leaves_the_weights_untouched(cpu_pool, tiny_model, tokenizer, demo_files):
     from common.data import collate, load_prompts
 
-    group = WorkerGroup(PolicyWorker, cpu_pool, "policy", model_path=tiny_model, lr=1e-2, use_reference=False)
+    group = WorkerGroup(
+        PolicyProbe, cpu_pool, "policy", model_path=tiny_model, lr=1e-2, use_reference=False, micro_batch_size=2
+    )
     try:
         prompts = collate(load_prompts([demo_files[1]], tokenizer, 8)[:4], tokenizer.pad_token_id)
         batch = prompts | group.scatter("generate", prompts.select("prompts", "prompt_mask"), max_response_length=4)
-        before = group.rank0("full_state_dict")
+        before = group.broadcast("full_state_dict")[0]
 
         def nan_loss(batch, outputs, minibatch_tokens, minibatch_seqs):
             return outputs[0].sum() * float("nan"), {}
 
-        [metrics, _] = group.scatter("update", batch.select("input_ids", "attention_mask", "position_ids", "responses", "response_mask"),
-                                     loss_fn=nan_loss, temperature=1.0, epochs=1, mini_batch_size=4, micro_batch_size=2)  # fmt: skip
+        inputs = batch.select("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+        [metrics, _] = group.scatter("update", inputs, loss_fn=nan_loss)
         assert metrics["skipped_updates"] == 1
-        after = group.rank0("full_state_dict")
+        after = group.broadcast("full_state_dict")[0]
         assert all(torch.equal(before[k], after[k]) for k in before)
     finally:
         group.shutdown()
@@ -219,7 +244,9 @@ def test_a_hanging_reward_is_cut_off(tokenizer):
         return 1.0
 
     responses = torch.tensor([tokenizer("3")["input_ids"] + [0], tokenizer("12")["input_ids"]])
-    batch = DataProto.from_dict({"responses": responses}, {"data_source": ["addition"] * 2, "ground_truth": ["3", "12"], "extra_info": [{}, {}]})
+    batch = DataProto.from_dict(
+        {"responses": responses}, {"data_source": ["addition"] * 2, "ground_truth": ["3", "12"], "extra_info": [{}, {}]}
+    )
     started = time.time()
     scores, metrics = score(batch, tokenizer, slow, timeout=0.5)
     assert time.time() - started < 5
@@ -233,9 +260,15 @@ def test_a_hanging_reward_is_cut_off(tokenizer):
         (["--train-files", "{tmp}/missing.parquet"], "missing.parquet does not exist"),
         (["--train-files", "{tmp}/empty.jsonl"], "empty.jsonl has no rows"),
         (["--train-files", "{tmp}/long.jsonl"], "long.jsonl, row 0: the prompt has 9 tokens, more than --max-prompt-length 8"),
-        (["--train-batch-size", "128", "--mini-batch-size", "64"], "a batch of 128 prompts is larger than the dataset (100 prompts)"),
+        (
+            ["--train-batch-size", "128", "--mini-batch-size", "64"],
+            "a batch of 128 prompts is larger than the dataset (100 prompts)",
+        ),
         (["--num-workers", "3"], "does not split evenly over --num-workers 3"),
-        (["--train-batch-size", "8", "--mini-batch-size", "3"], "--train-batch-size 8 is not a multiple of --mini-batch-size 3"),
+        (
+            ["--train-batch-size", "8", "--mini-batch-size", "3"],
+            "--train-batch-size 8 is not a multiple of --mini-batch-size 3",
+        ),
         (["--rollout-engine", "vllm", "--top-p", "0.9"], "--rollout-engine vllm samples from the whole distribution here"),
         (["--test-freq", "0"], "--test-freq is 0; it must be above 0"),
         (["--save-freq", "0"], "--save-freq is 0; it must be above 0"),
@@ -243,21 +276,60 @@ def test_a_hanging_reward_is_cut_off(tokenizer):
         (["--micro-batch-size", "0"], "--micro-batch-size is 0; it must be above 0"),
         (["--max-response-length", "0"], "--max-response-length is 0; it must be above 0"),
         (["--temperature", "0"], "--temperature is 0.0: rollouts are sampled, so it must be above 0"),
+        (["--model-path", "{tmp}/nowhere"], "--model-path {tmp}/nowhere: no such folder"),
+        (["--model-path", "{tmp}"], "--model-path {tmp}: no config.json in it"),
+        (["--model-path", "{model}", "--val-files", "{val}"], "--train-files is missing"),
     ],
     ids=[
-        "missing-file", "empty-file", "long-prompt", "batch-larger-than-data", "indivisible-workers", "indivisible-mini-batch",
-        "vllm-top-p", "test-freq-0", "save-freq-0", "mini-batch-0", "micro-batch-0", "max-response-length-0", "temperature-0",
+        "missing-file",
+        "empty-file",
+        "long-prompt",
+        "batch-larger-than-data",
+        "indivisible-workers",
+        "indivisible-mini-batch",
+        "vllm-top-p",
+        "test-freq-0",
+        "save-freq-0",
+        "mini-batch-0",
+        "micro-batch-0",
+        "max-response-length-0",
+        "temperature-0",
+        "model-path-missing",
+        "model-path-without-config",
+        "no-train-files",
     ],
 )
 def test_bad_input_stops_before_any_worker(demo_files, tmp_path, flags, message):
     (tmp_path / "empty.jsonl").write_text("")
-    row = {"prompt": [{"role": "user", "content": "123456+7="}], "data_source": "addition", "reward_model": {"ground_truth": "123463"}}
+    row = {
+        "prompt": [{"role": "user", "content": "123456+7="}],
+        "data_source": "addition",
+        "reward_model": {"ground_truth": "123463"},
+    }
     (tmp_path / "long.jsonl").write_text(json.dumps(row) + "\n")
-    flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
-    result = subprocess.run([sys.executable, str(ROOT / "algos" / "grpo_hybrid.py"), *flags], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    paths = {"{tmp}": str(tmp_path), "{model}": demo_files[0], "{val}": demo_files[2]}
+    for pattern, path in paths.items():
+        flags, message = [f.replace(pattern, path) for f in flags], message.replace(pattern, path)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "algos" / "grpo_hybrid.py"), *flags],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode != 0
     assert message in result.stderr
     assert "PolicyWorker" not in result.stderr and not (tmp_path / "runs").exists()
+
+
+def test_resume_auto_with_nothing_to_resume_and_validation_on_the_training_prompts_say_so(ray_cluster, demo_files, tmp_path):
+    model, train, _ = demo_files
+    code, stdout, stderr = run_script(
+        "--model-path", model, "--train-files", train, "--total-steps", "1", "--resume", "auto", cwd=tmp_path
+    )
+    assert code == 0, stderr[-3000:]
+    assert "--resume auto: no checkpoint of runs/grpo__grpo_hybrid__1__* yet, so this run starts from step 1" in stdout
+    assert "accuracy on the training prompts (no --val-files): " in stdout and "held-out" not in stdout
 
 
 MULTI_NODE = """
@@ -284,8 +356,12 @@ def test_a_worker_group_spans_two_nodes(demo_files, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     result = subprocess.run(
         [sys.executable, "-c", MULTI_NODE, str(ROOT / "algos" / "grpo_hybrid.py"), *TINY, "--total-steps", "2"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     [run_dir] = (tmp_path / "runs").iterdir()
     assert [r["step"] for r in metric_rows(run_dir)] == [1, 2]

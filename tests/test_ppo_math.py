@@ -44,16 +44,27 @@ def test_masked_whiten():
 
 def test_value_loss_and_clipping():
     mask = torch.ones(1, 2)
-    loss, metrics = compute_value_loss(torch.tensor([[1.0, 2.0]]), torch.tensor([[0.0, 2.0]]), torch.tensor([[0.0, 3.0]]), mask, 0.5, "token-mean")
+    loss, metrics = compute_value_loss(
+        torch.tensor([[1.0, 2.0]]), torch.tensor([[0.0, 2.0]]), torch.tensor([[0.0, 3.0]]), mask, 0.5, "token-mean"
+    )
     # token 0: unclipped (1-0)^2 = 1, clipped (0.5-0)^2 = 0.25 -> 1; token 1: both 1 -> 1
     assert loss.item() == pytest.approx(0.5)
     assert metrics["vf_clipfrac"].item() == 0.0
     # the clipped value 0.5 is further from the return 1 than the new value 1: the clipped error counts
-    loss, metrics = compute_value_loss(torch.tensor([[1.0]]), torch.tensor([[0.0]]), torch.tensor([[1.0]]), torch.ones(1, 1), 0.5, "token-mean")
+    loss, metrics = compute_value_loss(
+        torch.tensor([[1.0]]), torch.tensor([[0.0]]), torch.tensor([[1.0]]), torch.ones(1, 1), 0.5, "token-mean"
+    )
     assert loss.item() == pytest.approx(0.5 * 0.25)
     assert metrics["vf_clipfrac"].item() == 1.0
     # masked tokens do not count
-    loss, _ = compute_value_loss(torch.tensor([[1.0, 7.0]]), torch.tensor([[1.0, 0.0]]), torch.tensor([[2.0, 0.0]]), torch.tensor([[1.0, 0.0]]), 0.5, "token-mean")
+    loss, _ = compute_value_loss(
+        torch.tensor([[1.0, 7.0]]),
+        torch.tensor([[1.0, 0.0]]),
+        torch.tensor([[2.0, 0.0]]),
+        torch.tensor([[1.0, 0.0]]),
+        0.5,
+        "token-mean",
+    )
     assert loss.item() == pytest.approx(0.5)
 
 

@@ -26,7 +26,8 @@ def test_gsm8k(response, truth, expected):
 def batch_of(tokenizer, texts, truths, source="addition"):
     responses = torch.tensor([tokenizer(t)["input_ids"] + [tokenizer.pad_token_id] * (4 - len(t)) for t in texts])
     return DataProto.from_dict(
-        {"responses": responses}, {"data_source": [source] * len(texts), "ground_truth": truths, "extra_info": [{}] * len(texts)}
+        {"responses": responses},
+        {"data_source": [source] * len(texts), "ground_truth": truths, "extra_info": [{}] * len(texts)},
     )
 
 
@@ -71,8 +72,10 @@ def test_unknown_data_source_fails_early():
     check_data_sources(data, lambda *a: 0.0)
 
 
-@pytest.mark.parametrize("result, value", [(1, 1.0), (0.5, 0.5), (True, 1.0), (np.float32(0.25), 0.25), (torch.tensor(2.0), 2.0),
-                                            ({"score": 3, "exact": 1.0}, 3.0)])  # fmt: skip
+@pytest.mark.parametrize(
+    "result, value",
+    [(1, 1.0), (0.5, 0.5), (True, 1.0), (np.float32(0.25), 0.25), (torch.tensor(2.0), 2.0), ({"score": 3, "exact": 1.0}, 3.0)],
+)
 def test_a_score_is_a_finite_number(result, value):
     assert score_value(result) == value
 

@@ -9,19 +9,50 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL_RUN = ["--total-steps", "2", "--train-batch-size", "8", "--mini-batch-size", "4", "--n", "4", "--test-freq", "1", "--num-workers", "2"]
+SMALL_RUN = [
+    "--total-steps",
+    "2",
+    "--train-batch-size",
+    "8",
+    "--mini-batch-size",
+    "4",
+    "--n",
+    "4",
+    "--test-freq",
+    "1",
+    "--num-workers",
+    "2",
+]
 SHARED_METRICS = [
-    "train/reward_mean", "val/accuracy", "val/accuracy/addition", "actor/pg_loss", "actor/entropy", "actor/clipfrac",
-    "actor/grad_norm", "actor/lr", "response/length_mean", "response/clip_ratio", "timing/generate", "timing/update",
-    "timing/step", "perf/tokens_per_s", "reward/errors", "rollout/logprob_diff_mean", "rollout/logprob_diff_max",
-]  # fmt: skip
+    "train/reward_mean",
+    "val/accuracy",
+    "val/accuracy/addition",
+    "actor/pg_loss",
+    "actor/entropy",
+    "actor/clipfrac",
+    "actor/grad_norm",
+    "actor/lr",
+    "response/length_mean",
+    "response/clip_ratio",
+    "timing/generate",
+    "timing/update",
+    "timing/step",
+    "perf/tokens_per_s",
+    "reward/errors",
+    "rollout/logprob_diff_mean",
+    "rollout/logprob_diff_max",
+]
 
 
 def run_script(script, *flags, cwd, env=None):
     return subprocess.run(
-        [sys.executable, str(ROOT / "algos" / script), *flags], cwd=cwd, env={**os.environ, **(env or {})},
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [sys.executable, str(ROOT / "algos" / script), *flags],
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def metrics_of(cwd):
@@ -31,8 +62,20 @@ def metrics_of(cwd):
 
 ALGORITHM_METRICS = {
     "grpo": ["actor/kl"],
-    "ppo": ["actor/kl", "actor/kl_coef", "critic/vf_loss", "critic/vf_clipfrac", "critic/values_mean", "critic/explained_variance"],
-    "dapo": ["train/num_gen_batches", "train/filtered_prompt_ratio", "reward/overlong_penalty_mean", "response/overlong_ratio"],
+    "ppo": [
+        "actor/kl",
+        "actor/kl_coef",
+        "critic/loss",
+        "critic/vf_clipfrac",
+        "critic/values_mean",
+        "critic/explained_variance",
+    ],
+    "dapo": [
+        "train/num_gen_batches",
+        "train/filtered_prompt_ratio",
+        "reward/overlong_penalty_mean",
+        "response/overlong_ratio",
+    ],
 }
 
 
@@ -43,11 +86,17 @@ VLLM_FP32 = ["--rollout-engine", "vllm", "--rollout-dtype", "float32"]  # the tr
 @pytest.mark.parametrize(
     "algo, flags",
     [
-        ("grpo", []), ("grpo", LORA), ("ppo", []), ("ppo", LORA + ["--tis"]), ("dapo", ["--tis"]),
-        ("grpo", VLLM_FP32), ("ppo", VLLM_FP32 + LORA + ["--lora-merge"]), ("dapo", VLLM_FP32 + ["--tis"]),
+        ("grpo", []),
+        ("grpo", LORA),
+        ("ppo", []),
+        ("ppo", LORA + ["--tis"]),
+        ("dapo", ["--tis"]),
+        ("grpo", VLLM_FP32),
+        ("ppo", VLLM_FP32 + LORA + ["--lora-merge"]),
+        ("dapo", VLLM_FP32 + ["--tis"]),
     ],
     ids=["grpo", "grpo-lora", "ppo", "ppo-lora-tis", "dapo-tis", "grpo-vllm", "ppo-vllm-lora-merge", "dapo-vllm-tis"],
-)  # fmt: skip
+)
 def test_two_steps_with_two_workers(ray_cluster, demo_files, tmp_path, algo, flags):
     result = run_script(f"{algo}_hybrid.py", *SMALL_RUN, *flags, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -65,16 +114,46 @@ def test_two_steps_with_two_workers(ray_cluster, demo_files, tmp_path, algo, fla
     assert json.loads((run_dir / "config.json").read_text())["lora_rank"] == (8 if "--lora-rank" in flags else 0)
 
 
+def test_in_process_trains_as_one_ray_worker_does(ray_cluster, demo_files, tmp_path):
+    """--in-process: the worker runs inside the driver's process, so breakpoint() in a loss, a reward or a worker
+    stops in the user's terminal. Two steps give the metrics that one Ray worker gives."""
+    flags = [*SMALL_RUN[:-2], "--num-workers", "1"]
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "in_process").mkdir()
+    under_ray = run_script("grpo_hybrid.py", *flags, cwd=tmp_path / "ray")
+    assert under_ray.returncode == 0, under_ray.stderr[-3000:]
+    # A Ray actor with one CPU computes on one thread; so does this process, so that sums round alike.
+    in_process = run_script(
+        "grpo_hybrid.py", *flags, "--in-process", cwd=tmp_path / "in_process", env={"OMP_NUM_THREADS": "1"}
+    )
+    assert in_process.returncode == 0, in_process.stderr[-3000:]
+    assert "(PolicyWorker pid=" in under_ray.stderr and "(PolicyWorker pid=" not in in_process.stderr  # no actor
+    _, rows_under_ray = metrics_of(tmp_path / "ray")
+    _, rows_in_process = metrics_of(tmp_path / "in_process")
+    training = [
+        {k: v for k, v in row.items() if not k.startswith(("timing/", "perf/")) and "memory" not in k}
+        for row in rows_under_ray
+    ]
+    assert [r["step"] for r in rows_in_process] == [0, 1, 2]
+    for expected, row in zip(training, rows_in_process):
+        for key, value in expected.items():
+            assert row[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
 def test_dapo_dynamic_sampling_bound_is_a_clear_error(ray_cluster, demo_files, tmp_path):
     # near-greedy sampling makes every group unanimous, so no prompt survives the filter
-    result = run_script("dapo_hybrid.py", *SMALL_RUN, "--temperature", "1e-4", "--max-gen-batches", "2", "--no-val-before-train", cwd=tmp_path)
+    result = run_script(
+        "dapo_hybrid.py", *SMALL_RUN, "--temperature", "1e-4", "--max-gen-batches", "2", "--no-val-before-train", cwd=tmp_path
+    )
     assert result.returncode != 0
-    assert "dynamic sampling kept 0 of 8 prompts after 2 rounds" in result.stderr
+    assert "dynamic sampling kept 0 of 8 prompts in 2 rounds" in result.stderr
     assert "Raise --max-gen-batches" in result.stderr
 
 
 def test_grpo_tracks_to_wandb_offline(ray_cluster, demo_files, tmp_path):
-    result = run_script("grpo_hybrid.py", *SMALL_RUN, "--total-steps", "1", "--track", cwd=tmp_path, env={"WANDB_MODE": "offline"})
+    result = run_script(
+        "grpo_hybrid.py", *SMALL_RUN, "--total-steps", "1", "--track", cwd=tmp_path, env={"WANDB_MODE": "offline"}
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir, _ = metrics_of(tmp_path)
     [offline_run] = (run_dir / "wandb").glob("offline-run-*")
@@ -91,7 +170,9 @@ def test_malformed_data_stops_before_any_worker(demo_files, tmp_path):
 
 
 def test_indivisible_batch_stops_before_any_worker(demo_files, tmp_path):
-    result = run_script("grpo_hybrid.py", "--num-workers", "3", "--train-batch-size", "4", "--mini-batch-size", "4", "--n", "2", cwd=tmp_path)
+    result = run_script(
+        "grpo_hybrid.py", "--num-workers", "3", "--train-batch-size", "4", "--mini-batch-size", "4", "--n", "2", cwd=tmp_path
+    )
     assert result.returncode != 0
     assert "does not split evenly over --num-workers 3" in result.stderr
     assert "PolicyWorker" not in result.stderr

