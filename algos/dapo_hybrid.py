@@ -35,11 +35,13 @@ class Args(RunArgs):
     """KL estimator: k1, |k1|, k2, k3"""
     entropy_coef: float = 0.0
     """entropy bonus"""
+    single_sample_groups: bool = False
+    """allow --n 1: each response is then its own group, and its advantage its raw score (no baseline)"""
     filter_groups: bool = True
     """dynamic sampling: drop prompts whose samples all got the same --filter-metric, sample more until the batch is full"""
     filter_metric: Literal["seq_reward", "score"] = "seq_reward"
     """what must vary within a group: the final sequence reward (score + overlong penalty) or the raw score"""
-    gen_batch_size: int | None = None
+    gen_batch_size: int | None = flag(None, positive=True)
     """prompts generated per round of dynamic sampling; default 3 x --train-batch-size"""
     max_gen_batches: int = flag(10, resumable=True)
     """most rounds of dynamic sampling per step (0: no bound)"""
@@ -195,6 +197,11 @@ if __name__ == "__main__":
     if args.model_path is None:
         args = demo.apply(
             Args, lr=5e-4, n=16, train_batch_size=32, mini_batch_size=8, total_steps=150, gen_batch_size=96, max_gen_batches=30
+        )
+    if args.n < 2 and not args.single_sample_groups:
+        raise ValueError(
+            f"--n {args.n}: the advantage compares each response with the others sampled for its prompt, so a group "
+            "of one gets its raw score. Sample --n 2 or more, or pass --single-sample-groups to train so anyway"
         )
     buffer_length = args.overlong_buffer_length or args.max_response_length // 4
     prompts_per_round = args.gen_batch_size or 3 * args.train_batch_size

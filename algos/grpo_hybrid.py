@@ -35,6 +35,8 @@ class Args(RunArgs):
     """KL estimator: k1, |k1|, k2, k3"""
     entropy_coef: float = 0.0
     """entropy bonus"""
+    single_sample_groups: bool = False
+    """allow --n 1: each response is then its own group, and its advantage its raw score (no baseline)"""
 
 
 def compute_grpo_advantages(scores: torch.Tensor, group_ids: np.ndarray, norm_by_std: bool = True, eps: float = 1e-6):
@@ -164,6 +166,11 @@ if __name__ == "__main__":
     args = tyro.cli(Args)
     if args.model_path is None:
         args = demo.apply(Args, lr=3e-4, train_batch_size=64, mini_batch_size=16, total_steps=400)
+    if args.n < 2 and not args.single_sample_groups:
+        raise ValueError(
+            f"--n {args.n}: the advantage compares each response with the others sampled for its prompt, so a group "
+            "of one gets its raw score. Sample --n 2 or more, or pass --single-sample-groups to train so anyway"
+        )
     run = Run("grpo", args)
     policy = run.policy(use_reference=args.kl_loss_coef > 0)
     log_prob_inputs = ("input_ids", "attention_mask", "position_ids", "responses")

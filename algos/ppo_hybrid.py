@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 import tyro
 
-from common.run import RunArgs
+from common.run import RunArgs, flag
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Args(RunArgs):
     """keep the KL coefficient fixed, or adapt it towards --kl-target (Ziegler et al. 2019)"""
     kl_target: float = 0.1
     """the adaptive controller's target KL per token"""
-    kl_horizon: int = 10000
+    kl_horizon: int = flag(10000, positive=True)
     """the adaptive controller's horizon, in samples"""
     entropy_coef: float = 0.0
     """entropy bonus"""

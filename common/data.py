@@ -59,11 +59,18 @@ def check_row(row, path: str, index: int) -> None:
             raise DataError(
                 f"{where}: field 'prompt' must hold messages like {{'role': 'user', 'content': '...'}}, got {message!r}"
             )
+    if not any(message["content"].strip() for message in prompt):
+        raise DataError(f"{where}: field 'prompt' has no text (every message's 'content' is empty); fill it or drop the row")
     if not isinstance(row.get("data_source"), str):
         raise DataError(f"{where}: field 'data_source' must be a string naming the reward function")
     reward_model = row.get("reward_model")
     if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
         raise DataError(f"{where}: field 'reward_model' must be a dict with a 'ground_truth'")
+    if reward_model["ground_truth"] is None:
+        raise DataError(
+            f"{where}: field 'reward_model' has a null 'ground_truth'; give the answer the reward compares with "
+            "(an empty string if your reward needs none)"
+        )
     if row.get("extra_info") is not None and not isinstance(row["extra_info"], dict):
         raise DataError(f"{where}: field 'extra_info' must be a dict when present")
 

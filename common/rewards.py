@@ -128,7 +128,7 @@ class RewardError(RuntimeError):
     pass
 
 
-def score(batch: DataProto, tokenizer, reward_fn, **limits) -> tuple[torch.Tensor, dict]:
+def score(batch: DataProto, tokenizer, reward_fn, **limits) -> tuple[torch.Tensor, dict, list[dict]]:
     """One scalar score per response of `batch` (see score_texts)."""
     return score_texts(tokenizer.batch_decode(batch["responses"], skip_special_tokens=True), batch, reward_fn, **limits)
 
@@ -150,25 +150,29 @@ REPORTED_FAILURES: set[str] = set()  # the kinds of reward failure printed so fa
 
 def score_texts(
     texts: list[str], batch: DataProto, reward_fn, timeout: float | None = None, max_error_share: float = 1.0
-) -> tuple[torch.Tensor, dict]:
-    """One scalar score per decoded response.
+) -> tuple[torch.Tensor, dict, list[dict]]:
+    """One scalar score per decoded response, the error and timeout counts, and per response the other keys a
+    reward function returned beside "score" (verl's reward managers return such keys: {"score": 1.0, "exact": 1}).
 
     A reward function that raises (or exits), returns anything but a finite number, or runs past `timeout`
     seconds scores 0 for that sample, which is counted. The first failure of each kind is printed with its
     traceback and sample. When more than `max_error_share` of the samples fail, RewardError stops the run
     before any update uses these scores.
     """
-    scores, errors, timeouts, first_failure = [], 0, 0, None
+    scores, extras, errors, timeouts, first_failure = [], [], 0, 0, None
     for text, source, truth, extra in zip(texts, *(batch[k] for k in ("data_source", "ground_truth", "extra_info"))):
         try:
             with time_limit(timeout):
                 result = reward_fn(source, text, truth, extra)
             scores.append(score_value(result))
+            extras.append({k: v for k, v in result.items() if k != "score"} if isinstance(result, dict) else {})
         except RewardTimeout:
             scores.append(0.0)
+            extras.append({})
             timeouts += 1
         except (Exception, SystemExit) as error:  # sys.exit() in a reward must not end the run quietly
             scores.append(0.0)
+            extras.append({})
             errors += 1
             failure = (
                 f"the reward function failed for data_source {source!r}, ground_truth {truth!r}, response {text!r}:\n"
@@ -183,7 +187,17 @@ def score_texts(
             f"the reward function failed for {errors} of {len(texts)} samples, more than --max-reward-error-share "
             f"{max_error_share} allows; no update used these scores. The first failure: {first_failure}"
         )
-    return torch.tensor(scores, dtype=torch.float32), {"reward/errors": errors, "reward/timeouts": timeouts}
+    return torch.tensor(scores, dtype=torch.float32), {"reward/errors": errors, "reward/timeouts": timeouts}, extras
+
+
+def extra_means(extras, prefix: str) -> dict[str, float]:
+    """`prefix` + key: the mean of each extra key over the responses whose reward returned a finite number for it."""
+    values = defaultdict(list)
+    for extra in extras:
+        for key, value in extra.items():
+            if isinstance(value, numbers.Real) and math.isfinite(value):
+                values[key].append(float(value))
+    return {f"{prefix}{key}": float(np.mean(v)) for key, v in values.items()}
 
 
 def validate(policy, val_loader, tokenizer, reward_fn, sampling: dict, n: int = 1, **limits) -> tuple[dict, list[dict]]:
@@ -193,13 +207,14 @@ def validate(policy, val_loader, tokenizer, reward_fn, sampling: dict, n: int = 
     mean@n (the mean score) and pass@n (the share of prompts with a sample
     scoring 1) are reported.
     """
-    by_source, samples, group_best = defaultdict(list), [], defaultdict(float)
+    by_source, samples, group_best, all_extras = defaultdict(list), [], defaultdict(float), []
     reward_metrics = defaultdict(int)
     for batch in val_loader:
         batch = batch.repeat(n, interleave=True)
         batch |= policy.scatter("generate", batch.select("prompts", "prompt_mask"), **sampling, do_sample=n > 1)
         responses = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
-        scores, metrics = score_texts(responses, batch, reward_fn, **limits)
+        scores, metrics, extras = score_texts(responses, batch, reward_fn, **limits)
+        all_extras += extras
         for key, value in metrics.items():
             reward_metrics[key] += value
         for i, value in enumerate(scores.tolist()):
@@ -207,13 +222,14 @@ def validate(policy, val_loader, tokenizer, reward_fn, sampling: dict, n: int = 
             by_source[source].append(value)
             group_best[uid] = max(group_best[uid], value)
             prompt, truth = batch["prompt_text"][i], batch["ground_truth"][i]
-            samples.append({"prompt": prompt, "response": responses[i], "ground_truth": truth, "score": value})
+            samples.append({**extras[i], "prompt": prompt, "response": responses[i], "ground_truth": truth, "score": value})
     all_scores = [s["score"] for s in samples]
     metrics = {
         "val/accuracy": float(np.mean(all_scores)),
         **{f"val/{k.removeprefix('reward/')}": v for k, v in reward_metrics.items()},
     }
     metrics.update({f"val/accuracy/{source}": float(np.mean(values)) for source, values in by_source.items()})
+    metrics.update(extra_means(all_extras, "val/reward/"))
     if n > 1:
         metrics[f"val/mean@{n}"] = metrics["val/accuracy"]
         metrics[f"val/pass@{n}"] = float(np.mean([best >= 1 for best in group_best.values()]))

@@ -27,7 +27,8 @@ from typing import Literal
 
 
 def flag(default, *, resumable: bool = False, positive: bool = False):
-    """A field of Args with its default; `resumable`: may differ when the run resumes; `positive`: must be above 0."""
+    """A field of Args with its default; `resumable`: may differ when the run resumes; `positive`: must be above 0
+    (when set, for an optional one)."""
     return dataclasses.field(default=default, metadata={"resumable": resumable, "positive": positive})
 
 
@@ -150,7 +151,6 @@ class Run:
     """
 
     def __init__(self, algo: str, args: RunArgs, worker_groups: int = 1, prompts_per_batch: int | None = None):
-        import ray
         import torch
 
         from common.checkpoint import check_config, find_checkpoint
@@ -158,13 +158,12 @@ class Run:
         from common.rewards import check_data_sources, load_reward_fn
         from common.rollout import check_rollout
         from common.tracking import Tracker
-        from common.workers import ResourcePool, init_ray
 
         # Everything that can be wrong with the input fails here, before any worker starts.
         self.algo, self.args = algo, args
         for field in dataclasses.fields(args):
             value = getattr(args, field.name)
-            if field.metadata.get("positive") and not value > 0:
+            if field.metadata.get("positive") and value is not None and not value > 0:
                 raise ValueError(f"{flag_name(field.name)} is {value}; it must be above 0")
         num_workers = 1 if args.in_process else args.num_workers
         check_batch_sizes(args.train_batch_size, args.mini_batch_size, args.n, num_workers)
@@ -197,6 +196,10 @@ class Run:
         self.pool = None
         if not args.in_process:
             init_ray()
+            import ray
+
+            from common.workers import ResourcePool
+
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0
             if args.offload and not use_gpu:
                 raise ValueError("--offload frees GPU memory for the vllm engine; drop it on CPUs")
@@ -251,10 +254,11 @@ class Run:
         return next(self.train_batches)
 
     def score(self, batch, metrics: dict):
-        """One score per response of `batch`; the reward's error and timeout counts are added to `metrics`."""
+        """One score per response of `batch`; the reward's error and timeout counts are added to `metrics`, the other
+        keys it returned go to `batch["reward_extra"]` (logged as `reward/<key>` by end_step)."""
         from common.rewards import score
 
-        scores, counts = score(batch, self.tokenizer, self.reward_fn, **self._reward_limits())
+        scores, counts, batch["reward_extra"] = score(batch, self.tokenizer, self.reward_fn, **self._reward_limits())
         for key, value in counts.items():
             metrics[key] = metrics.get(key, 0) + value
         return scores
@@ -321,6 +325,7 @@ class Run:
         Stops the run after --max-bad-steps steps in a row whose updates a NaN or inf gradient skipped.
         """
         from common.checkpoint import save_checkpoint
+        from common.rewards import extra_means
         from common.tracking import timer
 
         args, step_time = self.args, time.perf_counter() - self.step_start
@@ -334,6 +339,9 @@ class Run:
             "timing/step": step_time,
             "perf/tokens_per_s": batch["attention_mask"].sum().item() / step_time,
         }
+        # the reward's own keys beside its counts, which keep a name both use
+        extras = extra_means(batch["reward_extra"] if "reward_extra" in batch else [], "reward/")
+        metrics |= {key: value for key, value in extras.items() if key not in metrics}
         last = step == args.total_steps or self.stop.requested
         if step % args.test_freq == 0 or step == args.total_steps:
             with timer("validate", metrics):
@@ -389,3 +397,32 @@ def load_tokenizer(model_path: str):
         return AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError) as error:
         raise ValueError(f"--model-path {model_path}: no tokenizer could be loaded from it ({error})") from error
+
+
+def init_ray() -> None:
+    """Join the cluster named by RAY_ADDRESS (multi-node), else start a local one."""
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        # A driver must use the cluster's authentication mode. Take the one `ray start` takes on this machine: token
+        # authentication when a token exists (any local Ray of 2.59 or later leaves one in ~/.ray/auth_token), unless
+        # RAY_AUTH_MODE says otherwise. Ray reads the mode when it is imported, hence before the import.
+        token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+        if os.environ.get("RAY_AUTH_TOKEN") or os.path.isfile(token_file):
+            os.environ.setdefault("RAY_AUTH_MODE", "token")
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
+    if not address:
+        ray.init(include_dashboard=False, runtime_env=env)
+        return
+    try:
+        ray.init(address=address, runtime_env=env)
+    except ConnectionError as error:
+        mode = os.environ.get("RAY_AUTH_MODE", "disabled")
+        raise ConnectionError(
+            f"could not join the Ray cluster at RAY_ADDRESS={address} with RAY_AUTH_MODE={mode}. Is the head node "
+            "up at that address? A cluster started with token authentication needs RAY_AUTH_MODE=token and its token "
+            "(~/.ray/auth_token, or RAY_AUTH_TOKEN); one started without needs RAY_AUTH_MODE=disabled"
+        ) from error

@@ -65,8 +65,9 @@ class Tracker:
         if self.wandb is not None:
             import wandb
 
-            columns = list(samples[0])
-            table = wandb.Table(columns=columns, data=[[str(s[c]) for c in columns] for s in samples[:table_rows]])
+            shown = samples[:table_rows]
+            columns = list(dict.fromkeys(column for sample in shown for column in sample))  # the reward's keys too
+            table = wandb.Table(columns=columns, data=[[str(s.get(c, "")) for c in columns] for s in shown])
             self.wandb.log({"val/samples": table}, step=step)
 
     def close(self) -> None:

@@ -35,17 +35,6 @@ from common.dataproto import DataProto
 from common.rollout import HFRollout, VLLMRollout, response_batch
 
 
-def init_ray() -> None:
-    """Join the cluster named by RAY_ADDRESS (multi-node), else start a local one."""
-    if ray.is_initialized():
-        return
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=env)
-    else:
-        ray.init(include_dashboard=False, runtime_env=env)
-
-
 class WorkerDied(RuntimeError):
     pass
 

@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -248,7 +249,7 @@ def test_a_hanging_reward_is_cut_off(tokenizer):
         {"responses": responses}, {"data_source": ["addition"] * 2, "ground_truth": ["3", "12"], "extra_info": [{}, {}]}
     )
     started = time.time()
-    scores, metrics = score(batch, tokenizer, slow, timeout=0.5)
+    scores, metrics, _ = score(batch, tokenizer, slow, timeout=0.5)
     assert time.time() - started < 5
     assert scores.tolist() == [1.0, 0.0]
     assert metrics == {"reward/errors": 0, "reward/timeouts": 1}
@@ -279,6 +280,12 @@ def test_a_hanging_reward_is_cut_off(tokenizer):
         (["--model-path", "{tmp}/nowhere"], "--model-path {tmp}/nowhere: no such folder"),
         (["--model-path", "{tmp}"], "--model-path {tmp}: no config.json in it"),
         (["--model-path", "{model}", "--val-files", "{val}"], "--train-files is missing"),
+        (["--n", "1"], "--n 1: the advantage compares each response with the others sampled for its prompt"),
+        (["--train-files", "{tmp}/empty_prompt.jsonl"], "empty_prompt.jsonl, row 1: field 'prompt' has no text"),
+        (
+            ["--train-files", "{tmp}/null_truth.jsonl"],
+            "null_truth.jsonl, row 0: field 'reward_model' has a null 'ground_truth'",
+        ),
     ],
     ids=[
         "missing-file",
@@ -297,6 +304,9 @@ def test_a_hanging_reward_is_cut_off(tokenizer):
         "model-path-missing",
         "model-path-without-config",
         "no-train-files",
+        "n-1-in-grpo",
+        "empty-prompt",
+        "null-ground-truth",
     ],
 )
 def test_bad_input_stops_before_any_worker(demo_files, tmp_path, flags, message):
@@ -307,6 +317,9 @@ def test_bad_input_stops_before_any_worker(demo_files, tmp_path, flags, message)
         "reward_model": {"ground_truth": "123463"},
     }
     (tmp_path / "long.jsonl").write_text(json.dumps(row) + "\n")
+    short, empty = ({**row, "prompt": [{"role": "user", "content": text}]} for text in ("1+2=", " "))
+    (tmp_path / "empty_prompt.jsonl").write_text(json.dumps(short) + "\n" + json.dumps(empty) + "\n")
+    (tmp_path / "null_truth.jsonl").write_text(json.dumps({**row, "reward_model": {"ground_truth": None}}) + "\n")
     paths = {"{tmp}": str(tmp_path), "{model}": demo_files[0], "{val}": demo_files[2]}
     for pattern, path in paths.items():
         flags, message = [f.replace(pattern, path) for f in flags], message.replace(pattern, path)
@@ -332,8 +345,44 @@ def test_resume_auto_with_nothing_to_resume_and_validation_on_the_training_promp
     assert "accuracy on the training prompts (no --val-files): " in stdout and "held-out" not in stdout
 
 
+def test_a_script_joins_a_cluster_started_by_ray_start_with_token_authentication(demo_files, tmp_path):
+    """The README's multi-node path as typed: `ray start --head`, then `RAY_ADDRESS=HEAD:PORT python ...`, nothing else.
+
+    A local Ray (2.59 and later) leaves a token in ~/.ray/auth_token; `ray start` then turns token authentication on
+    for the cluster, which refuses a driver that is not in token mode."""
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"HOME": str(tmp_path)}
+    subprocess.run([ray_cli, "get-auth-token", "--generate"], env=env, check=True, capture_output=True)
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    head_flags = [f"--port={port}", "--num-cpus=2", "--include-dashboard=false", "--block"]
+    head = subprocess.Popen(
+        [ray_cli, "start", "--head", *head_flags], env=env, start_new_session=True, stdout=subprocess.DEVNULL
+    )
+    try:
+        env["RAY_ADDRESS"] = f"127.0.0.1:{port}"
+        join = [sys.executable, "-c", "import ray; ray.init(); print(ray.cluster_resources()['CPU'])"]
+        deadline = time.time() + 120
+        while subprocess.run(join, env=env | {"RAY_AUTH_MODE": "token"}, capture_output=True).returncode != 0:
+            assert time.time() < deadline and head.poll() is None, "the head node did not start"
+            time.sleep(1)
+        refused = subprocess.run(join, env=env | {"RAY_AUTH_MODE": "disabled"}, capture_output=True, text=True, timeout=120)
+        assert refused.returncode != 0  # token authentication is on
+        script = [sys.executable, str(ROOT / "algos" / "grpo_hybrid.py"), *TINY, "--total-steps", "1"]
+        result = subprocess.run(script, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        [run_dir] = (tmp_path / "runs").iterdir()
+        assert [r["step"] for r in metric_rows(run_dir)] == [1]
+    finally:
+        os.killpg(head.pid, signal.SIGKILL)  # the head and everything it started, not the tests' own Ray
+        head.wait()
+
+
 MULTI_NODE = """
 import os, subprocess, sys
+# the nodes and the script in one authentication mode, whatever the tests' own Ray left in the environment
+os.environ["RAY_AUTH_MODE"] = "disabled"
 import ray
 from ray.cluster_utils import Cluster
 

@@ -4,7 +4,16 @@ import torch
 
 from common import rewards
 from common.dataproto import DataProto
-from common.rewards import RewardError, check_data_sources, default_reward, gsm8k_reward, load_reward_fn, score, score_value
+from common.rewards import (
+    RewardError,
+    check_data_sources,
+    default_reward,
+    extra_means,
+    gsm8k_reward,
+    load_reward_fn,
+    score,
+    score_value,
+)
 
 
 @pytest.mark.parametrize(
@@ -32,7 +41,7 @@ def batch_of(tokenizer, texts, truths, source="addition"):
 
 
 def test_score_builtin(tokenizer):
-    scores, metrics = score(batch_of(tokenizer, ["3", "12", "4"], ["3", "12", "5"]), tokenizer, default_reward)
+    scores, metrics, _ = score(batch_of(tokenizer, ["3", "12", "4"], ["3", "12", "5"]), tokenizer, default_reward)
     assert scores.tolist() == [1.0, 1.0, 0.0]
     assert metrics["reward/errors"] == 0
 
@@ -40,17 +49,19 @@ def test_score_builtin(tokenizer):
 def test_user_reward_from_file_and_a_raising_one(tmp_path, tokenizer):
     (tmp_path / "my_reward.py").write_text(
         "def length_reward(data_source, solution_str, ground_truth, extra_info):\n"
-        "    return {'score': len(solution_str), 'note': 'x'}\n"
+        "    return {'score': len(solution_str), 'note': 'x', 'exact': int(solution_str == ground_truth[:1])}\n"
         "def picky(data_source, solution_str, ground_truth, extra_info):\n"
         "    if solution_str == '12':\n"
         "        raise ValueError('boom')\n"
         "    return 1.0\n"
     )
     fn = load_reward_fn(f"{tmp_path}/my_reward.py:length_reward")
-    scores, _ = score(batch_of(tokenizer, ["3", "12"], ["3", "12"]), tokenizer, fn)
+    scores, _, extras = score(batch_of(tokenizer, ["3", "12"], ["3", "12"]), tokenizer, fn)
     assert scores.tolist() == [1.0, 2.0]
+    assert extras == [{"note": "x", "exact": 1}, {"note": "x", "exact": 0}]  # the keys beside "score", per response
+    assert extra_means(extras, "reward/") == {"reward/exact": 0.5}  # numbers only
     picky = load_reward_fn(f"{tmp_path}/my_reward.py:picky")
-    scores, metrics = score(batch_of(tokenizer, ["3", "12", "7"], ["3", "12", "7"]), tokenizer, picky)
+    scores, metrics, _ = score(batch_of(tokenizer, ["3", "12", "7"], ["3", "12", "7"]), tokenizer, picky)
     assert scores.tolist() == [1.0, 0.0, 1.0]
     assert metrics["reward/errors"] == 1
 
@@ -96,7 +107,7 @@ def test_failures_are_printed_once_per_kind_and_too_many_stop_the_run(tokenizer,
 
     rewards.REPORTED_FAILURES.clear()  # what earlier tests in this process printed
     batch = batch_of(tokenizer, ["3", "12", "7", "4"], ["3", "12", "7", "4"])
-    scores, metrics = score(batch, tokenizer, half_broken, max_error_share=0.5)
+    scores, metrics, _ = score(batch, tokenizer, half_broken, max_error_share=0.5)
     assert scores.tolist() == [1.0, 0.0, 0.0, 1.0] and metrics["reward/errors"] == 2
     printed = capsys.readouterr().err
     assert printed.count("the reward function failed for data_source 'addition'") == 2  # SystemExit and TypeError

@@ -150,14 +150,27 @@ def test_dapo_dynamic_sampling_bound_is_a_clear_error(ray_cluster, demo_files, t
     assert "Raise --max-gen-batches" in result.stderr
 
 
-def test_grpo_tracks_to_wandb_offline(ray_cluster, demo_files, tmp_path):
-    result = run_script(
-        "grpo_hybrid.py", *SMALL_RUN, "--total-steps", "1", "--track", cwd=tmp_path, env={"WANDB_MODE": "offline"}
+def test_grpo_tracks_to_wandb_offline_with_the_rewards_own_keys(ray_cluster, demo_files, tmp_path):
+    """What a reward returns beside "score" is logged per step, written to the validation files and shown in wandb."""
+    (tmp_path / "keyed.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    exact = float(solution_str.strip() == ground_truth)\n"
+        "    return {'score': exact, 'exact': exact, 'length': len(solution_str), 'verdict': 'ok' if exact else 'wrong'}\n"
     )
+    flags = [*SMALL_RUN, "--total-steps", "1", "--track", "--reward-fn", f"{tmp_path}/keyed.py:compute_score"]
+    result = run_script("grpo_hybrid.py", *flags, cwd=tmp_path, env={"WANDB_MODE": "offline"})
     assert result.returncode == 0, result.stderr[-3000:]
-    run_dir, _ = metrics_of(tmp_path)
+    run_dir, rows = metrics_of(tmp_path)
+    assert rows[1]["reward/exact"] == pytest.approx(rows[1]["train/reward_mean"]) and rows[1]["reward/length"] > 0
+    assert rows[1]["val/reward/exact"] == pytest.approx(rows[1]["val/accuracy"])
+    sample = json.loads((run_dir / "validation" / "step_1.jsonl").read_text().splitlines()[0])
+    assert sample["verdict"] == ("ok" if sample["score"] else "wrong") and sample["exact"] == sample["score"]
     [offline_run] = (run_dir / "wandb").glob("offline-run-*")
     assert any(offline_run.glob("*.wandb"))
+    tables = list(offline_run.glob("files/media/table/val/samples_*.table.json"))  # before training and at step 1
+    assert len(tables) == 2
+    for table in tables:
+        assert {"exact", "length", "verdict", "score"} <= set(json.loads(table.read_text())["columns"])
 
 
 def test_malformed_data_stops_before_any_worker(demo_files, tmp_path):
