@@ -175,11 +175,11 @@ class Run:
         pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.reward_fn = load_reward_fn(args.reward_fn)
         train_data = load_prompts(args.train_files, self.tokenizer, args.max_prompt_length, args.truncate_prompts)
-        val_data = load_prompts(
-            args.val_files or args.train_files, self.tokenizer, args.max_prompt_length, args.truncate_prompts
-        )
         check_data_sources(train_data, self.reward_fn)
-        check_data_sources(val_data, self.reward_fn)
+        val_data = train_data
+        if args.val_files:
+            val_data = load_prompts(args.val_files, self.tokenizer, args.max_prompt_length, args.truncate_prompts)
+            check_data_sources(val_data, self.reward_fn)
         self.val_name = "held-out accuracy" if args.val_files else "accuracy on the training prompts (no --val-files)"
         batch_size = prompts_per_batch or args.train_batch_size
         self.train_loader = PromptLoader(train_data, batch_size, pad_token_id, shuffle=True, seed=args.seed)
