@@ -6,21 +6,35 @@ A reward function has the signature
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import math
+import mmap
 import numbers
 import os
+import pickle
 import re
 import signal
+import socket
+import struct
+import subprocess
 import sys
+import tempfile
+import time
 import traceback
-from collections import defaultdict
+from collections import defaultdict, deque
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from statistics import fmean
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from common.dataproto import DataProto
+    from common.dataproto import DataProto
+
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def addition_reward(solution_str: str, ground_truth: str) -> float:
@@ -97,7 +111,7 @@ def check_data_sources(data: DataProto, reward_fn) -> None:
         )
 
 
-class RewardTimeout(Exception):
+class RewardTimeout(BaseException):  # not an Exception, so that the reward's own `except Exception` cannot swallow it
     pass
 
 
@@ -128,9 +142,208 @@ class RewardError(RuntimeError):
     pass
 
 
-def score(batch: DataProto, tokenizer, reward_fn, **limits) -> tuple[torch.Tensor, dict, list[dict]]:
+def call_reward(reward_fn, data_source, solution_str, ground_truth, extra_info) -> tuple:
+    """What one call of a reward function came to: ("ok", score, other keys), or ("error", kind, traceback)."""
+    try:
+        result = reward_fn(data_source, solution_str, ground_truth, extra_info)
+        extras = {k: v for k, v in result.items() if k != "score"} if isinstance(result, dict) else {}
+        return "ok", score_value(result), extras
+    except (Exception, SystemExit) as error:  # sys.exit() in a reward must not end the run quietly
+        return "error", type(error).__name__, traceback.format_exc()
+
+
+class InProcessRewards:
+    """Scores responses one after another in this process, so that breakpoint() in a reward stops in the terminal;
+    a call past `timeout` seconds is interrupted (see time_limit)."""
+
+    def __init__(self, reward_fn, timeout: float | None = None):
+        self.reward_fn, self.timeout = reward_fn, timeout
+
+    def __call__(self, samples: list[tuple]) -> list[tuple]:
+        return [self._call(sample) for sample in samples]
+
+    def _call(self, sample: tuple) -> tuple:
+        try:
+            with time_limit(self.timeout):
+                return call_reward(self.reward_fn, *sample)
+        except RewardTimeout:
+            return ("timeout",)
+
+    def close(self) -> None:
+        pass
+
+
+CURRENT_CALL = struct.Struct("qd")  # what a reward process is scoring: the sample's index and when the call started
+
+
+@dataclass
+class RewardProcess:
+    process: subprocess.Popen
+    connection: Connection
+    current_call: mmap.mmap  # CURRENT_CALL, written by the process before each call, read by the driver
+    ready: bool = False
+    scored: int = 0
+    sent: list = field(default_factory=list)  # the samples sent to it that it has not answered yet
+
+
+class RewardProcesses:
+    """`size` processes that each load the reward `spec` (as --reward-fn names it) and score responses one at a time,
+    all at once. Nothing a reward does reaches the run: a call past `timeout` seconds is killed, even inside a C call,
+    and a process that dies (a segfault, os._exit) is replaced; either way only that call's sample fails. A process
+    is also replaced, between batches, after RECYCLE_AFTER samples, so that a reward that leaks memory stays bounded.
+
+    A process is sent a share of the batch at once and answers with all its scores: a message each way per sample
+    would cost more than a rule-based reward takes. It writes which sample it is scoring, and since when, to memory
+    the driver shares, so each call still has its own deadline, and a kill or a crash fails that sample alone (the
+    others of its share are scored again by the next process).
+    """
+
+    RECYCLE_AFTER = 10_000
+    SHARES_PER_PROCESS = 4  # per batch: small enough that the processes finish together
+
+    def __init__(self, spec: str | None, size: int, timeout: float | None = None):
+        self.spec, self.timeout = spec, timeout or math.inf
+        self.processes = [self._start() for _ in range(size)]
+        atexit.register(self.close)
+
+    def _start(self) -> RewardProcess:
+        ours, theirs = socket.socketpair()
+        with tempfile.TemporaryFile() as file:
+            file.truncate(CURRENT_CALL.size)
+            current_call = mmap.mmap(file.fileno(), CURRENT_CALL.size)
+            # Its own session: Ctrl-C in the terminal stops the run between steps, not a reward mid-call, and a kill
+            # takes whatever the reward started with it.
+            process = subprocess.Popen(
+                [sys.executable, "-m", "common.rewards", str(theirs.fileno()), str(file.fileno()), self.spec or ""],
+                pass_fds=[theirs.fileno(), file.fileno()],
+                stdin=subprocess.DEVNULL,
+                env=os.environ | {"PYTHONPATH": os.pathsep.join([PROJECT_ROOT, os.environ.get("PYTHONPATH", "")])},
+                start_new_session=True,
+            )
+        theirs.close()
+        return RewardProcess(process, Connection(ours.detach()), current_call)
+
+    def _replace(self, slot: int, todo: deque) -> int:
+        """Kill the process in `slot` and start another; the samples it was sent go back to the front of `todo`,
+        except the one it was scoring, whose index is returned."""
+        worker = self.processes[slot]
+        self._kill(worker)
+        current, _ = CURRENT_CALL.unpack_from(worker.current_call)
+        todo.extendleft(reversed([i for i in worker.sent if i != current]))
+        self.processes[slot] = self._start()
+        return current
+
+    @staticmethod
+    def _kill(worker: RewardProcess) -> None:
+        try:
+            os.killpg(worker.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        worker.process.wait()
+        worker.connection.close()
+
+    def __call__(self, samples: list[tuple]) -> list[tuple]:
+        """For each sample (data_source, solution_str, ground_truth, extra_info) what its call came to: ("ok", score,
+        other keys), ("error", kind, traceback) or ("timeout",)."""
+        outcomes, todo = [None] * len(samples), deque(range(len(samples)))
+        share = max(1, len(samples) // (self.SHARES_PER_PROCESS * len(self.processes)))
+        while todo or any(worker.sent for worker in self.processes):
+            for slot, worker in enumerate(self.processes):
+                if worker.ready and not worker.sent and todo:
+                    worker.sent = [todo.popleft() for _ in range(min(share, len(todo)))]
+                    CURRENT_CALL.pack_into(worker.current_call, 0, worker.sent[0], time.monotonic())
+                    try:
+                        worker.connection.send([(i, samples[i]) for i in worker.sent])
+                    except OSError:  # it died between batches
+                        todo.extendleft(reversed(worker.sent))
+                        worker.sent = []
+                        self._replace(slot, todo)
+            deadline = min(self._deadline(worker) for worker in self.processes)
+            waiting = [worker.connection for worker in self.processes if worker.sent or not worker.ready]
+            ready = wait(waiting, timeout=None if deadline == math.inf else max(0.0, deadline - time.monotonic()))
+            for slot, worker in enumerate(self.processes):
+                if worker.connection in ready:
+                    self._receive(slot, worker, outcomes, todo)
+            for slot, worker in enumerate(self.processes):
+                if time.monotonic() >= self._deadline(worker):
+                    outcomes[self._replace(slot, todo)] = ("timeout",)
+        for slot, worker in enumerate(self.processes):
+            if worker.scored >= self.RECYCLE_AFTER:
+                self._replace(slot, todo)
+        return outcomes
+
+    def _deadline(self, worker: RewardProcess) -> float:
+        return CURRENT_CALL.unpack_from(worker.current_call)[1] + self.timeout if worker.sent else math.inf
+
+    def _receive(self, slot: int, worker: RewardProcess, outcomes: list, todo: deque) -> None:
+        try:
+            message = worker.connection.recv()
+        except (EOFError, OSError):
+            code = worker.process.wait()
+            if not worker.sent:
+                raise RewardError(f"a reward process exited with code {code} while loading --reward-fn {self.spec}")
+            death = (
+                f"the reward process died with exit code {code} while scoring this sample (a crash in C code, a "
+                "signal, os._exit or the out-of-memory killer); a new process took its place\n"
+            )
+            outcomes[self._replace(slot, todo)] = ("error", "ProcessDied", death)
+            return
+        if message == "ready":
+            worker.ready = True
+        elif isinstance(message, str):
+            raise RewardError(f"--reward-fn {self.spec}: loading it in a reward process failed:\n{message}")
+        else:
+            for i, outcome in zip(worker.sent, message):
+                outcomes[i] = outcome
+            worker.scored += len(worker.sent)
+            worker.sent = []
+
+    def close(self) -> None:
+        for worker in self.processes:
+            self._kill(worker)
+        self.processes = []
+
+
+def serve(fd: int, current_call_fd: int, spec: str) -> None:
+    """A reward process: load the reward, then score each share of samples that arrives on the socket `fd` and
+    answer with its outcomes, until the socket closes."""
+    connection, current_call = Connection(fd), mmap.mmap(current_call_fd, CURRENT_CALL.size)
+    try:
+        reward_fn = load_reward_fn(spec or None)
+    except BaseException:
+        connection.send(traceback.format_exc())
+        return
+    connection.send("ready")
+    while True:
+        try:
+            share = connection.recv()
+        except EOFError:
+            return
+        outcomes = []
+        for index, sample in share:
+            CURRENT_CALL.pack_into(current_call, 0, index, time.monotonic())
+            outcomes.append(call_reward(reward_fn, *sample))
+        try:
+            connection.send(outcomes)
+        except Exception:  # keys beside a score that cannot be pickled: that sample fails
+            connection.send([sendable(outcome) for outcome in outcomes])
+
+
+def sendable(outcome: tuple) -> tuple:
+    try:
+        pickle.dumps(outcome)
+        return outcome
+    except Exception:
+        return "error", "PicklingError", traceback.format_exc()
+
+
+def score(batch: DataProto, tokenizer, rewards, max_error_share: float = 1.0) -> tuple[torch.Tensor, dict, list[dict]]:
     """One scalar score per response of `batch` (see score_texts)."""
-    return score_texts(tokenizer.batch_decode(batch["responses"], skip_special_tokens=True), batch, reward_fn, **limits)
+    import torch  # here, not above: the reward processes import this module and need no torch
+
+    texts = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
+    scores, metrics, extras = score_texts(texts, batch, rewards, max_error_share)
+    return torch.tensor(scores, dtype=torch.float32), metrics, extras
 
 
 def score_value(result) -> float:
@@ -148,46 +361,38 @@ def score_value(result) -> float:
 REPORTED_FAILURES: set[str] = set()  # the kinds of reward failure printed so far in this process
 
 
-def score_texts(
-    texts: list[str], batch: DataProto, reward_fn, timeout: float | None = None, max_error_share: float = 1.0
-) -> tuple[torch.Tensor, dict, list[dict]]:
+def score_texts(texts: list[str], batch: DataProto, rewards, max_error_share: float = 1.0) -> tuple[list, dict, list[dict]]:
     """One scalar score per decoded response, the error and timeout counts, and per response the other keys a
     reward function returned beside "score" (verl's reward managers return such keys: {"score": 1.0, "exact": 1}).
 
-    A reward function that raises (or exits), returns anything but a finite number, or runs past `timeout`
-    seconds scores 0 for that sample, which is counted. The first failure of each kind is printed with its
-    traceback and sample. When more than `max_error_share` of the samples fail, RewardError stops the run
-    before any update uses these scores.
+    `rewards` (RewardProcesses or InProcessRewards) makes the calls. A reward function that raises (or exits, or
+    crashes its process), returns anything but a finite number, or runs past the timeout scores 0 for that sample,
+    which is counted. The first failure of each kind is printed with its traceback and sample. When more than
+    `max_error_share` of the samples fail, RewardError stops the run before any update uses these scores.
     """
+    samples = list(zip(*(batch[k] for k in ("data_source", "ground_truth", "extra_info"))))
+    outcomes = rewards([(source, text, truth, extra) for text, (source, truth, extra) in zip(texts, samples)])
     scores, extras, errors, timeouts, first_failure = [], [], 0, 0, None
-    for text, source, truth, extra in zip(texts, *(batch[k] for k in ("data_source", "ground_truth", "extra_info"))):
-        try:
-            with time_limit(timeout):
-                result = reward_fn(source, text, truth, extra)
-            scores.append(score_value(result))
-            extras.append({k: v for k, v in result.items() if k != "score"} if isinstance(result, dict) else {})
-        except RewardTimeout:
-            scores.append(0.0)
-            extras.append({})
-            timeouts += 1
-        except (Exception, SystemExit) as error:  # sys.exit() in a reward must not end the run quietly
-            scores.append(0.0)
-            extras.append({})
+    for text, (source, truth, _), outcome in zip(texts, samples, outcomes):
+        scores.append(outcome[1] if outcome[0] == "ok" else 0.0)
+        extras.append(outcome[2] if outcome[0] == "ok" else {})
+        timeouts += outcome[0] == "timeout"
+        if outcome[0] == "error":
             errors += 1
+            kind, trace = outcome[1:]
             failure = (
-                f"the reward function failed for data_source {source!r}, ground_truth {truth!r}, response {text!r}:\n"
-                f"{traceback.format_exc()}"
+                f"the reward function failed for data_source {source!r}, ground_truth {truth!r}, response {text!r}:\n{trace}"
             )
             first_failure = first_failure or failure
-            if type(error).__name__ not in REPORTED_FAILURES:
-                REPORTED_FAILURES.add(type(error).__name__)
+            if kind not in REPORTED_FAILURES:
+                REPORTED_FAILURES.add(kind)
                 print(f"{failure}The sample scores 0 and counts in reward/errors; fix the reward function.", file=sys.stderr)
     if errors > max_error_share * len(texts):
         raise RewardError(
             f"the reward function failed for {errors} of {len(texts)} samples, more than --max-reward-error-share "
             f"{max_error_share} allows; no update used these scores. The first failure: {first_failure}"
         )
-    return torch.tensor(scores, dtype=torch.float32), {"reward/errors": errors, "reward/timeouts": timeouts}, extras
+    return scores, {"reward/errors": errors, "reward/timeouts": timeouts}, extras
 
 
 def extra_means(extras, prefix: str) -> dict[str, float]:
@@ -197,10 +402,12 @@ def extra_means(extras, prefix: str) -> dict[str, float]:
         for key, value in extra.items():
             if isinstance(value, numbers.Real) and math.isfinite(value):
                 values[key].append(float(value))
-    return {f"{prefix}{key}": float(np.mean(v)) for key, v in values.items()}
+    return {f"{prefix}{key}": fmean(v) for key, v in values.items()}
 
 
-def validate(policy, val_loader, tokenizer, reward_fn, sampling: dict, n: int = 1, **limits) -> tuple[dict, list[dict]]:
+def validate(
+    policy, val_loader, tokenizer, rewards, sampling: dict, n: int = 1, max_error_share: float = 1.0
+) -> tuple[dict, list[dict]]:
     """Accuracy (mean score) over the validation set, overall and per data source, and every completion.
 
     With n == 1 decoding is greedy; with n > 1 each prompt gets n samples and
@@ -213,11 +420,11 @@ def validate(policy, val_loader, tokenizer, reward_fn, sampling: dict, n: int = 
         batch = batch.repeat(n, interleave=True)
         batch |= policy.scatter("generate", batch.select("prompts", "prompt_mask"), **sampling, do_sample=n > 1)
         responses = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
-        scores, metrics, extras = score_texts(responses, batch, reward_fn, **limits)
+        scores, metrics, extras = score_texts(responses, batch, rewards, max_error_share)
         all_extras += extras
         for key, value in metrics.items():
             reward_metrics[key] += value
-        for i, value in enumerate(scores.tolist()):
+        for i, value in enumerate(scores):
             source, uid = batch["data_source"][i], batch["uid"][i]
             by_source[source].append(value)
             group_best[uid] = max(group_best[uid], value)
@@ -225,12 +432,16 @@ def validate(policy, val_loader, tokenizer, reward_fn, sampling: dict, n: int = 
             samples.append({**extras[i], "prompt": prompt, "response": responses[i], "ground_truth": truth, "score": value})
     all_scores = [s["score"] for s in samples]
     metrics = {
-        "val/accuracy": float(np.mean(all_scores)),
+        "val/accuracy": fmean(all_scores),
         **{f"val/{k.removeprefix('reward/')}": v for k, v in reward_metrics.items()},
     }
-    metrics.update({f"val/accuracy/{source}": float(np.mean(values)) for source, values in by_source.items()})
+    metrics.update({f"val/accuracy/{source}": fmean(values) for source, values in by_source.items()})
     metrics.update(extra_means(all_extras, "val/reward/"))
     if n > 1:
         metrics[f"val/mean@{n}"] = metrics["val/accuracy"]
-        metrics[f"val/pass@{n}"] = float(np.mean([best >= 1 for best in group_best.values()]))
+        metrics[f"val/pass@{n}"] = fmean([best >= 1 for best in group_best.values()])
     return metrics, samples
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

@@ -117,8 +117,11 @@ class RunArgs:
     lora_target_modules: str = "all-linear"
     """modules that get an adapter"""
 
+    reward_workers: int | None = flag(None, resumable=True)
+    """processes that call the reward function, each on one response at a time, isolated from the run (default: one
+    per CPU core, at most 16); 0 calls it in this process, one response after another (the default with --in-process)"""
     reward_timeout: float = flag(10.0, resumable=True)
-    """seconds a reward function may take for one response before it scores 0 (0: no limit)"""
+    """seconds a reward function may take for one response before it is stopped and scores 0 (0: no limit)"""
     max_reward_error_share: float = flag(0.5, resumable=True)
     """stop when the reward function fails for more than this share of a batch's responses (1: never)"""
     test_freq: int = flag(25, resumable=True, positive=True)
@@ -155,7 +158,7 @@ class Run:
 
         from common.checkpoint import check_config, find_checkpoint
         from common.data import PromptLoader, check_batch_sizes, load_prompts
-        from common.rewards import check_data_sources, load_reward_fn
+        from common.rewards import InProcessRewards, RewardProcesses, check_data_sources, load_reward_fn
         from common.rollout import check_rollout
         from common.tracking import Tracker
 
@@ -168,6 +171,8 @@ class Run:
         num_workers = 1 if args.in_process else args.num_workers
         check_batch_sizes(args.train_batch_size, args.mini_batch_size, args.n, num_workers)
         check_rollout(args.rollout_engine, args.temperature, args.top_p, args.top_k, args.lora_merge, args.offload)
+        if args.reward_workers is not None and args.reward_workers < 0:
+            raise ValueError(f"--reward-workers is {args.reward_workers}; use 0 to score in this process, or more")
         torch.manual_seed(args.seed)
         self.tokenizer = load_tokenizer(args.model_path)
         if not args.train_files:
@@ -193,6 +198,13 @@ class Run:
         wandb = dict(wandb_project=args.wandb_project_name, wandb_entity=args.wandb_entity) if args.track else {}
         self.tracker = Tracker(run_prefix, dataclasses.asdict(args), self.resume_from, **wandb)
 
+        reward_workers = args.reward_workers
+        if reward_workers is None:
+            reward_workers = 0 if args.in_process else min(len(os.sched_getaffinity(0)), 16)
+        if reward_workers:
+            self.rewards = RewardProcesses(args.reward_fn, reward_workers, args.reward_timeout)
+        else:
+            self.rewards = InProcessRewards(self.reward_fn, args.reward_timeout)
         self.pool = None
         if not args.in_process:
             init_ray()
@@ -258,13 +270,10 @@ class Run:
         keys it returned go to `batch["reward_extra"]` (logged as `reward/<key>` by end_step)."""
         from common.rewards import score
 
-        scores, counts, batch["reward_extra"] = score(batch, self.tokenizer, self.reward_fn, **self._reward_limits())
+        scores, counts, batch["reward_extra"] = score(batch, self.tokenizer, self.rewards, self.args.max_reward_error_share)
         for key, value in counts.items():
             metrics[key] = metrics.get(key, 0) + value
         return scores
-
-    def _reward_limits(self) -> dict:
-        return dict(timeout=self.args.reward_timeout, max_error_share=self.args.max_reward_error_share)
 
     def _validate(self) -> tuple[dict, list[dict]]:
         from common.rewards import validate
@@ -273,10 +282,10 @@ class Run:
             self.groups["policy"],
             self.val_loader,
             self.tokenizer,
-            self.reward_fn,
+            self.rewards,
             self.sampling,
             self.args.val_n,
-            **self._reward_limits(),
+            self.args.max_reward_error_share,
         )
         return self.last_val, samples
 
@@ -377,6 +386,7 @@ class Run:
             self.groups["policy"].broadcast("export", str(run_dir / "model"), adapter_only=self.args.export_adapter_only)
             print(f"the trained policy, as a Hugging Face model folder: {run_dir / 'model'}")
         self.tracker.close()
+        self.rewards.close()
         for group in self.groups.values():
             group.shutdown()
         if self.pool is not None:

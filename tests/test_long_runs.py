@@ -15,7 +15,7 @@ import torch
 
 from common.checkpoint import complete_checkpoints, find_checkpoint, save_checkpoint
 from common.dataproto import DataProto
-from common.rewards import score
+from common.rewards import InProcessRewards, score
 from common.workers import PolicyWorker, WorkerDied, WorkerGroup
 from test_workers import PolicyProbe
 
@@ -187,8 +187,9 @@ def test_nan_gradients_skip_updates_then_stop_the_run(ray_cluster, demo_files, t
         ("return None", "TypeError: the reward function returned None"),
         ("return {'exact': 1.0}", "TypeError: the reward function returned {'exact': 1.0}"),
         ("import sys; sys.exit()", "SystemExit"),
+        ("import ctypes; ctypes.string_at(0)", "the reward process died with exit code -11"),
     ],
-    ids=["nan", "none", "no-score", "sys-exit"],
+    ids=["nan", "none", "no-score", "sys-exit", "segfault"],
 )
 def test_a_reward_broken_for_every_sample_stops_at_the_first_step(ray_cluster, demo_files, tmp_path, body, failure):
     (tmp_path / "broken.py").write_text(f"def score(data_source, solution_str, ground_truth, extra_info):\n    {body}\n")
@@ -249,7 +250,7 @@ def test_a_hanging_reward_is_cut_off(tokenizer):
         {"responses": responses}, {"data_source": ["addition"] * 2, "ground_truth": ["3", "12"], "extra_info": [{}, {}]}
     )
     started = time.time()
-    scores, metrics, _ = score(batch, tokenizer, slow, timeout=0.5)
+    scores, metrics, _ = score(batch, tokenizer, InProcessRewards(slow, timeout=0.5))
     assert time.time() - started < 5
     assert scores.tolist() == [1.0, 0.0]
     assert metrics == {"reward/errors": 0, "reward/timeouts": 1}
@@ -277,6 +278,7 @@ def test_a_hanging_reward_is_cut_off(tokenizer):
         (["--micro-batch-size", "0"], "--micro-batch-size is 0; it must be above 0"),
         (["--max-response-length", "0"], "--max-response-length is 0; it must be above 0"),
         (["--temperature", "0"], "--temperature is 0.0: rollouts are sampled, so it must be above 0"),
+        (["--reward-workers", "-1"], "--reward-workers is -1; use 0 to score in this process, or more"),
         (["--model-path", "{tmp}/nowhere"], "--model-path {tmp}/nowhere: no such folder"),
         (["--model-path", "{tmp}"], "--model-path {tmp}: no config.json in it"),
         (["--model-path", "{model}", "--val-files", "{val}"], "--train-files is missing"),
@@ -301,6 +303,7 @@ def test_a_hanging_reward_is_cut_off(tokenizer):
         "micro-batch-0",
         "max-response-length-0",
         "temperature-0",
+        "reward-workers-negative",
         "model-path-missing",
         "model-path-without-config",
         "no-train-files",

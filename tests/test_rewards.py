@@ -1,11 +1,14 @@
 import numpy as np
+import psutil
 import pytest
 import torch
 
 from common import rewards
 from common.dataproto import DataProto
 from common.rewards import (
+    InProcessRewards,
     RewardError,
+    RewardProcesses,
     check_data_sources,
     default_reward,
     extra_means,
@@ -41,9 +44,12 @@ def batch_of(tokenizer, texts, truths, source="addition"):
 
 
 def test_score_builtin(tokenizer):
-    scores, metrics, _ = score(batch_of(tokenizer, ["3", "12", "4"], ["3", "12", "5"]), tokenizer, default_reward)
-    assert scores.tolist() == [1.0, 1.0, 0.0]
-    assert metrics["reward/errors"] == 0
+    batch = batch_of(tokenizer, ["3", "12", "4"], ["3", "12", "5"])
+    for rewards in InProcessRewards(default_reward), RewardProcesses(None, 2):
+        scores, metrics, _ = score(batch, tokenizer, rewards)
+        rewards.close()
+        assert scores.tolist() == [1.0, 1.0, 0.0]
+        assert metrics["reward/errors"] == 0
 
 
 def test_user_reward_from_file_and_a_raising_one(tmp_path, tokenizer):
@@ -55,15 +61,19 @@ def test_user_reward_from_file_and_a_raising_one(tmp_path, tokenizer):
         "        raise ValueError('boom')\n"
         "    return 1.0\n"
     )
-    fn = load_reward_fn(f"{tmp_path}/my_reward.py:length_reward")
-    scores, _, extras = score(batch_of(tokenizer, ["3", "12"], ["3", "12"]), tokenizer, fn)
-    assert scores.tolist() == [1.0, 2.0]
-    assert extras == [{"note": "x", "exact": 1}, {"note": "x", "exact": 0}]  # the keys beside "score", per response
-    assert extra_means(extras, "reward/") == {"reward/exact": 0.5}  # numbers only
-    picky = load_reward_fn(f"{tmp_path}/my_reward.py:picky")
-    scores, metrics, _ = score(batch_of(tokenizer, ["3", "12", "7"], ["3", "12", "7"]), tokenizer, picky)
-    assert scores.tolist() == [1.0, 0.0, 1.0]
-    assert metrics["reward/errors"] == 1
+    spec = f"{tmp_path}/my_reward.py:length_reward"
+    for rewards in InProcessRewards(load_reward_fn(spec)), RewardProcesses(spec, 2):
+        scores, _, extras = score(batch_of(tokenizer, ["3", "12"], ["3", "12"]), tokenizer, rewards)
+        rewards.close()
+        assert scores.tolist() == [1.0, 2.0]
+        assert extras == [{"note": "x", "exact": 1}, {"note": "x", "exact": 0}]  # the keys beside "score", per response
+        assert extra_means(extras, "reward/") == {"reward/exact": 0.5}  # numbers only
+    spec = f"{tmp_path}/my_reward.py:picky"
+    for rewards in InProcessRewards(load_reward_fn(spec)), RewardProcesses(spec, 2):
+        scores, metrics, _ = score(batch_of(tokenizer, ["3", "12", "7"], ["3", "12", "7"]), tokenizer, rewards)
+        rewards.close()
+        assert scores.tolist() == [1.0, 0.0, 1.0]
+        assert metrics["reward/errors"] == 1
 
 
 def test_bad_reward_specs(tmp_path):
@@ -107,6 +117,7 @@ def test_failures_are_printed_once_per_kind_and_too_many_stop_the_run(tokenizer,
 
     rewards.REPORTED_FAILURES.clear()  # what earlier tests in this process printed
     batch = batch_of(tokenizer, ["3", "12", "7", "4"], ["3", "12", "7", "4"])
+    half_broken = InProcessRewards(half_broken)
     scores, metrics, _ = score(batch, tokenizer, half_broken, max_error_share=0.5)
     assert scores.tolist() == [1.0, 0.0, 0.0, 1.0] and metrics["reward/errors"] == 2
     printed = capsys.readouterr().err
@@ -116,3 +127,81 @@ def test_failures_are_printed_once_per_kind_and_too_many_stop_the_run(tokenizer,
     assert capsys.readouterr().err == ""  # each kind once
     with pytest.raises(RewardError, match=r"failed for 2 of 4 samples, more than --max-reward-error-share 0.25 allows"):
         score(batch, tokenizer, half_broken, max_error_share=0.25)
+
+
+def test_reward_processes_survive_what_a_reward_does(tmp_path, tokenizer, capsys):
+    """Each of these fails its own sample only, and the processes score the next batch as before."""
+    (tmp_path / "wild.py").write_text(
+        "import ctypes, os, re, sys, time\n"
+        "def score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    if solution_str == '1':\n"
+        "        ctypes.string_at(0)  # a segfault\n"
+        "    if solution_str == '2':\n"
+        "        os._exit(3)\n"
+        "    if solution_str == '3':\n"
+        "        sys.exit(4)\n"
+        "    if solution_str == '4':\n"
+        "        re.match(r'(a+)+$', 'a' * 64 + 'b')  # stuck inside a C call: no signal handler runs\n"
+        "    if solution_str == '5':\n"
+        "        time.sleep(60)\n"
+        "    if solution_str == '6':\n"
+        "        return {'score': 1.0, 'how': lambda: 0}  # cannot be sent back\n"
+        "    return {'score': 1.0, 'pid': os.getpid()}\n"
+    )
+    rewards.REPORTED_FAILURES.clear()
+    pool = RewardProcesses(f"{tmp_path}/wild.py:score", 2, timeout=1.0)
+    try:
+        texts = ["1", "2", "3", "4", "5", "6"] + ["7"] * 10  # sent two at a time: a killed call's partner goes again
+        scores, metrics, extras = score(batch_of(tokenizer, texts, texts), tokenizer, pool)
+        assert scores.tolist() == [0.0] * 6 + [1.0] * 10
+        assert metrics == {"reward/errors": 4, "reward/timeouts": 2}
+        printed = capsys.readouterr().err
+        assert "died with exit code -11" in printed and "SystemExit: 4" in printed and "pickle" in printed
+        assert printed.count("died with exit code") == 1  # the second death, os._exit's, is the same kind
+        scores, metrics, extras = score(batch_of(tokenizer, ["7", "8"], ["7", "8"]), tokenizer, pool)
+        assert scores.tolist() == [1.0, 1.0] and metrics == {"reward/errors": 0, "reward/timeouts": 0}
+        assert all(psutil.pid_exists(extra["pid"]) for extra in extras)
+    finally:
+        pool.close()
+    assert not any(psutil.pid_exists(extra["pid"]) for extra in extras)
+
+
+def test_reward_processes_score_at_once(tmp_path, tokenizer):
+    """Two calls that each wait for the other to start finish only when they run at the same time."""
+    (tmp_path / "meet.py").write_text(
+        "import os, time\n"
+        "def score(data_source, solution_str, ground_truth, extra_info):\n"
+        f"    folder = {str(tmp_path)!r}\n"
+        "    open(os.path.join(folder, solution_str), 'w').close()\n"
+        "    other = os.path.join(folder, '2' if solution_str == '1' else '1')\n"
+        "    for _ in range(500):\n"
+        "        if os.path.exists(other):\n"
+        "            return 1.0\n"
+        "        time.sleep(0.01)\n"
+        "    return 0.0\n"
+    )
+    pool = RewardProcesses(f"{tmp_path}/meet.py:score", 2, timeout=30)
+    try:
+        scores, _, _ = score(batch_of(tokenizer, ["1", "2"], ["1", "2"]), tokenizer, pool)
+    finally:
+        pool.close()
+    assert scores.tolist() == [1.0, 1.0]
+
+
+def test_a_reward_file_that_fails_in_the_processes_stops_the_run(tmp_path, tokenizer):
+    (tmp_path / "once.py").write_text(
+        "import os\n"
+        "if os.path.exists(__file__ + '.loaded'):\n"
+        "    raise ImportError('only loads once')\n"
+        "open(__file__ + '.loaded', 'w').close()\n"
+        "def score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    return 1.0\n"
+    )
+    spec = f"{tmp_path}/once.py:score"
+    load_reward_fn(spec)  # the driver's check of --reward-fn
+    pool = RewardProcesses(spec, 1)
+    try:
+        with pytest.raises(RewardError, match=r"(?s)loading it in a reward process failed.*only loads once"):
+            score(batch_of(tokenizer, ["1"], ["1"]), tokenizer, pool)
+    finally:
+        pool.close()
