@@ -39,18 +39,26 @@ class Args(RunArgs):
     """allow --n 1: each response is then its own group, and its advantage its raw score (no baseline)"""
     filter_groups: bool = True
     """dynamic sampling: drop prompts whose samples all got the same --filter-metric, sample more until the batch is full"""
-    filter_metric: Literal["seq_reward", "score"] = "seq_reward"
-    """what must vary within a group: the final sequence reward (score + overlong penalty) or the raw score"""
+    filter_metric: Literal["score", "seq_reward"] = "score"
+    """what must vary within a group: the raw score (the paper's accuracy), or the shaped reward (score + overlong
+    penalty), which also keeps groups whose samples differ only in length"""
     gen_batch_size: int | None = flag(None, positive=True)
     """prompts generated per round of dynamic sampling; default 3 x --train-batch-size"""
     max_gen_batches: int = flag(10, resumable=True)
     """most rounds of dynamic sampling per step (0: no bound)"""
-    overlong_shaping: bool = True
-    """penalise responses that run into the last --overlong-buffer-length tokens of the limit"""
-    overlong_buffer_length: int | None = None
-    """length of that buffer; default a quarter of --max-response-length"""
+    overlong_buffer_length: int = 256
+    """overlong reward shaping: responses that run into the last this many tokens of --max-response-length are
+    penalised, more the nearer the limit; 0 turns the shaping off (the recipe: 4096 of 20480)"""
     overlong_penalty_factor: float = 1.0
     """penalty at the limit itself"""
+    n: int = flag(16, positive=True)
+    """responses sampled per prompt (the recipe's 16)"""
+    mini_batch_size: int = flag(2, positive=True)
+    """prompts per optimiser step: the recipe's 16 optimiser steps per batch of 32 prompts (512 and 32 in the paper)"""
+    weight_decay: float = 0.1
+    """AdamW weight decay (the recipe's)"""
+    lr_warmup_steps: int = 10
+    """linear learning-rate warm-up, in training steps (the recipe's)"""
 
 
 def compute_grpo_advantages(scores: torch.Tensor, group_ids: np.ndarray, norm_by_std: bool = True, eps: float = 1e-6):
@@ -195,15 +203,19 @@ if __name__ == "__main__":
 
     args = tyro.cli(Args)
     if args.model_path is None:
-        args = demo.apply(
-            Args, lr=5e-4, n=16, train_batch_size=32, mini_batch_size=8, total_steps=150, gen_batch_size=96, max_gen_batches=30
-        )
+        demo_settings = dict(lr=5e-4, train_batch_size=32, mini_batch_size=8, total_steps=150, overlong_buffer_length=1)
+        args = demo.apply(Args, **demo_settings, gen_batch_size=96, max_gen_batches=30)
     if args.n < 2 and not args.single_sample_groups:
         raise ValueError(
             f"--n {args.n}: the advantage compares each response with the others sampled for its prompt, so a group "
             "of one gets its raw score. Sample --n 2 or more, or pass --single-sample-groups to train so anyway"
         )
-    buffer_length = args.overlong_buffer_length or args.max_response_length // 4
+    if not 0 <= args.overlong_buffer_length < args.max_response_length:
+        raise ValueError(
+            f"--overlong-buffer-length {args.overlong_buffer_length} with --max-response-length "
+            f"{args.max_response_length}: the buffer is the last part of the limit, so it must be smaller than the "
+            "limit (0 turns the shaping off)"
+        )
     prompts_per_round = args.gen_batch_size or 3 * args.train_batch_size
     run = Run("dapo", args, prompts_per_batch=prompts_per_round if args.filter_groups else None)
     policy = run.policy(use_reference=args.kl_loss_coef > 0)
@@ -232,8 +244,12 @@ if __name__ == "__main__":
             with timer("reward", metrics):
                 round_batch["score"] = run.score(round_batch, metrics)
                 lengths = round_batch["response_mask"].sum(-1)
-                penalty = overlong_penalty(lengths, args.max_response_length, buffer_length, args.overlong_penalty_factor)
-                round_batch["seq_reward"] = round_batch["score"] + (penalty if args.overlong_shaping else 0)
+                round_batch["seq_reward"] = round_batch["score"]
+                if args.overlong_buffer_length > 0:
+                    penalty = overlong_penalty(
+                        lengths, args.max_response_length, args.overlong_buffer_length, args.overlong_penalty_factor
+                    )
+                    round_batch["seq_reward"] = round_batch["score"] + penalty
             generated_prompts += len(round_batch) // args.n
             keep = filter_groups(round_batch[args.filter_metric], round_batch["uid"]) if args.filter_groups else slice(None)
             kept.append(round_batch[keep])
@@ -242,7 +258,7 @@ if __name__ == "__main__":
         metrics["train/num_gen_batches"] = len(kept)
         metrics["train/filtered_prompt_ratio"] = 1 - sum(map(len, kept)) / args.n / generated_prompts
         metrics["reward/overlong_penalty_mean"] = (batch["seq_reward"] - scores).mean().item()
-        overlong = response_lengths > args.max_response_length - buffer_length
+        overlong = response_lengths > args.max_response_length - args.overlong_buffer_length
         metrics["response/overlong_ratio"] = overlong.float().mean().item()
 
         # 3. Log-probs of the sampled tokens under the policy that sampled them, and under the reference.

@@ -48,7 +48,8 @@ class Args(RunArgs):
     critic_lr: float = 1e-5
     """critic learning rate"""
     critic_warmup: int = 0
-    """steps during which only the critic trains"""
+    """the first step that also updates the policy; the critic trains alone before it (as verl counts it: 0 and 1 both
+    update the policy from step 1)"""
     cliprange_value: float = 0.5
     """values move at most this far from the old values before the loss is clipped"""
     critic_lora_rank: int = 0
@@ -278,7 +279,7 @@ if __name__ == "__main__":
             critic_inputs = batch.select(*log_prob_inputs, "response_mask", "values", "returns")
             critic_metrics = critic.scatter("update", critic_inputs, loss_fn=partial(critic_loss, args=args))
         metrics |= {f"critic/{key}": value for key, value in critic_metrics[0].items()}
-        if step > args.critic_warmup:
+        if step >= args.critic_warmup:
             with timer("update", metrics):
                 actor_metrics = policy.scatter("update", batch.select(*update_inputs), loss_fn=partial(actor_loss, args=args))
             metrics |= {f"actor/{key}": value for key, value in actor_metrics[0].items()}

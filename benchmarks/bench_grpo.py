@@ -17,6 +17,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -27,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 STEP_METHODS = ("generate", "compute_log_prob", "compute_ref_log_prob", "update")
 
 
-def worker_compute_per_call(events) -> dict[str, list[float]]:
-    """Seconds of method execution per call, the slowest rank's, in call order, per method."""
+def calls_per_rank(events) -> dict[str, dict[int, list[float]]]:
+    """Seconds of method execution per call, in call order, per method and rank (a worker's thread id)."""
     tasks, executions = defaultdict(list), defaultdict(list)
     for event in events:
         if event.get("cat", "").startswith("task::PolicyWorker."):
@@ -42,7 +43,27 @@ def worker_compute_per_call(events) -> dict[str, list[float]]:
         for task in rank_tasks:
             inside = [e for e in rank_executions if task["ts"] <= e["ts"] <= task["ts"] + task["dur"]]
             per_rank[task["name"]][tid].append(inside[0]["dur"] / 1e6 if inside else 0.0)
-    return {method: list(np.max(list(ranks.values()), axis=0)) for method, ranks in per_rank.items()}
+    return per_rank
+
+
+def worker_compute_per_call(expected_calls: int) -> dict[str, list[float]]:
+    """Seconds of method execution per call, the slowest rank's, in call order, per method.
+
+    Ray reports task events to its timeline about once a second, so right after a run the last calls of a rank
+    may be missing: wait (up to 30 s) until every rank of every method has at least `expected_calls` calls.
+    """
+    for _ in range(30):
+        per_rank = calls_per_rank(ray.timeline())
+        counts = [len(calls) for ranks in per_rank.values() for calls in ranks.values()]
+        if counts and min(counts) >= expected_calls:
+            break
+        time.sleep(1)
+    else:
+        sys.exit(f"Ray's timeline holds {min(counts, default=0)} calls of some worker method, fewer than {expected_calls}")
+    return {
+        method: list(np.max([calls[:expected_calls] for calls in ranks.values()], axis=0))
+        for method, ranks in per_rank.items()
+    }
 
 
 def main():
@@ -51,6 +72,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=5, help="first steps left out of the figures")
     parser.add_argument("script_args", nargs="*", help="flags for grpo_hybrid.py, after --")
     options = parser.parse_args()
+    if not 0 <= options.warmup < options.steps:
+        parser.error(f"--warmup {options.warmup} must be at least 0 and below --steps {options.steps}")
 
     ray.init(include_dashboard=False)
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
@@ -76,7 +99,7 @@ def main():
     step_time = np.mean([r["timing/step"] for r in measured])
     phases = [k for k in measured[0] if k.startswith("timing/") and k not in ("timing/step", "timing/validate")]
 
-    calls = worker_compute_per_call(ray.timeline())
+    calls = worker_compute_per_call(options.steps)
     worker_seconds = sum(sum(calls[m][options.warmup : options.steps]) for m in STEP_METHODS if m in calls)
     worker_share = worker_seconds / sum(r["timing/step"] for r in measured)
 

@@ -104,6 +104,8 @@ class RunArgs:
     """policy learning rate"""
     lr_warmup_steps: int = 0
     """linear learning-rate warm-up, in training steps"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """after the warm-up: keep --lr, or decay it along a cosine to 0 at --total-steps"""
     weight_decay: float = 0.01
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -236,6 +238,7 @@ class Run:
             lr=args.lr,
             weight_decay=args.weight_decay,
             lr_warmup_steps=args.lr_warmup_steps,
+            lr_decay_steps=max(1, args.total_steps - args.lr_warmup_steps) if args.lr_schedule == "cosine" else 0,
             max_grad_norm=args.max_grad_norm,
             gradient_checkpointing=args.gradient_checkpointing,
             lora_rank=args.lora_rank,

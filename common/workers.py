@@ -155,6 +155,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def lr_factor(update: int, warmup_steps: int, decay_steps: int) -> float:
+    """The learning rate of the update numbered `update` (from 0), as a share of the peak: a linear rise over
+    `warmup_steps` updates, then a cosine from 1 to 0 over `decay_steps` updates (constant 1 without them)."""
+    if update < warmup_steps:
+        return (update + 1) / warmup_steps
+    if not decay_steps:
+        return 1.0
+    progress = min(1.0, (update - warmup_steps) / decay_steps)
+    return 0.5 * (1 + math.cos(math.pi * progress))
+
+
 class FSDPWorker:
     """What the policy and the critic share: distributed setup, FSDP2 sharding, optimisation."""
 
@@ -177,6 +188,7 @@ class FSDPWorker:
         lr: float = 1e-6,
         weight_decay: float = 0.0,
         lr_warmup_steps: int = 0,
+        lr_decay_steps: int = 0,
         max_grad_norm: float = 1.0,
         gradient_checkpointing: bool = False,
         lora_rank: int = 0,
@@ -186,7 +198,9 @@ class FSDPWorker:
         """Join the process group, load the model (with a LoRA adapter if asked), shard it, build its optimiser.
 
         An update makes `epochs` passes over its batch, one optimiser step per `mini_batch_size` sequences (over all
-        ranks; default the whole batch); every forward and backward takes at most `micro_batch_size` sequences."""
+        ranks; default the whole batch); every forward and backward takes at most `micro_batch_size` sequences. The
+        learning rate rises linearly over `lr_warmup_steps` updates, then (with `lr_decay_steps`) falls to 0 along a
+        cosine over that many more."""
         self._init_distributed(master, seed)
         self.model_path, self.max_grad_norm, self.lora = model_path, max_grad_norm, lora_rank > 0
         self.epochs, self.mini_batch_size, self.micro_batch_size = epochs, mini_batch_size, micro_batch_size
@@ -198,7 +212,7 @@ class FSDPWorker:
         if self.lora:
             model = self._add_lora(model)
         self.model = self._shard(model)
-        self._build_optimizer(lr, weight_decay, lr_warmup_steps)
+        self._build_optimizer(lr, weight_decay, lr_warmup_steps, lr_decay_steps)
         if self.rank == 0:
             print(f"{type(self).__name__}: {self.world_size} x {self.device.type}, attention: {self.attention}")
 
@@ -242,11 +256,11 @@ class FSDPWorker:
         fully_shard(model, **options)
         return model
 
-    def _build_optimizer(self, lr: float, weight_decay: float, warmup_steps: int) -> None:
+    def _build_optimizer(self, lr: float, weight_decay: float, warmup_steps: int, decay_steps: int) -> None:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
+            self.optimizer, lambda step: lr_factor(step, warmup_steps, decay_steps)
         )
 
     def _all_reduce_sum(self, values: list[float]) -> list[float]:

@@ -49,3 +49,13 @@ def test_token_mean_is_not_a_mean_of_sequence_means():
     sequence_level, _ = compute_policy_loss(old, old, advantages, mask, 0.2, 0.28, 10.0, "seq-mean-token-mean")
     assert token_level.item() == pytest.approx(4 / 5)
     assert sequence_level.item() == pytest.approx(0.5)
+
+
+def test_recipe_defaults():
+    """The DAPO recipe's settings unless a user asks otherwise: groups filtered on the score, not on the shaped reward
+    (else groups whose samples differ only in length survive and train length alone), 16 samples, 16 optimiser steps
+    per batch, weight decay 0.1, 10 warm-up steps, and an explicit overlong buffer."""
+    args = Args()
+    assert (args.filter_metric, args.n, args.weight_decay, args.lr_warmup_steps) == ("score", 16, 0.1, 10)
+    assert args.train_batch_size // args.mini_batch_size == 16
+    assert 0 < args.overlong_buffer_length < args.max_response_length

@@ -70,6 +70,9 @@ ALGORITHM_METRICS = {
         "critic/values_mean",
         "critic/explained_variance",
     ],
+    "rloo": ["actor/kl"],
+    "reinforcepp": ["actor/kl"],
+    "gspo": [],
     "dapo": [
         "train/num_gen_batches",
         "train/filtered_prompt_ratio",
@@ -88,14 +91,29 @@ VLLM_FP32 = ["--rollout-engine", "vllm", "--rollout-dtype", "float32"]  # the tr
     [
         ("grpo", []),
         ("grpo", LORA),
-        ("ppo", []),
+        ("ppo", ["--critic-warmup", "2"]),
         ("ppo", LORA + ["--tis"]),
         ("dapo", ["--tis"]),
+        ("rloo", []),
+        ("reinforcepp", ["--baseline"]),
+        ("gspo", []),
         ("grpo", VLLM_FP32),
         ("ppo", VLLM_FP32 + LORA + ["--lora-merge"]),
         ("dapo", VLLM_FP32 + ["--tis"]),
     ],
-    ids=["grpo", "grpo-lora", "ppo", "ppo-lora-tis", "dapo-tis", "grpo-vllm", "ppo-vllm-lora-merge", "dapo-vllm-tis"],
+    ids=[
+        "grpo",
+        "grpo-lora",
+        "ppo-critic-warmup",
+        "ppo-lora-tis",
+        "dapo-tis",
+        "rloo",
+        "reinforcepp-baseline",
+        "gspo",
+        "grpo-vllm",
+        "ppo-vllm-lora-merge",
+        "dapo-vllm-tis",
+    ],
 )
 def test_two_steps_with_two_workers(ray_cluster, demo_files, tmp_path, algo, flags):
     result = run_script(f"{algo}_hybrid.py", *SMALL_RUN, *flags, cwd=tmp_path)
@@ -106,6 +124,8 @@ def test_two_steps_with_two_workers(ray_cluster, demo_files, tmp_path, algo, fla
     for name in SHARED_METRICS + ALGORITHM_METRICS[algo]:
         assert name in rows[2], name
     assert rows[2]["actor/grad_norm"] > 0
+    if "--critic-warmup" in flags:  # the policy first updates at that step, the critic from the start
+        assert "actor/pg_loss" not in rows[1] and "critic/loss" in rows[1]
     # both engines compute in fp32 here, as the trainer does: log-probs differ by float rounding only, so TIS weights are 1
     assert rows[2]["rollout/logprob_diff_max"] < 1e-4
     if "--tis" in flags:
@@ -148,6 +168,13 @@ def test_dapo_dynamic_sampling_bound_is_a_clear_error(ray_cluster, demo_files, t
     assert result.returncode != 0
     assert "dynamic sampling kept 0 of 8 prompts in 2 rounds" in result.stderr
     assert "Raise --max-gen-batches" in result.stderr
+
+
+def test_dapo_overlong_buffer_must_fit_in_the_limit(demo_files, tmp_path):
+    result = run_script("dapo_hybrid.py", "--overlong-buffer-length", "4", cwd=tmp_path)  # the demo's limit is 4 tokens
+    assert result.returncode != 0
+    assert "--overlong-buffer-length 4 with --max-response-length 4: the buffer is the last part of the limit" in result.stderr
+    assert "PolicyWorker" not in result.stderr
 
 
 def test_grpo_tracks_to_wandb_offline_with_the_rewards_own_keys(ray_cluster, demo_files, tmp_path):

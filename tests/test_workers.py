@@ -1,8 +1,8 @@
 """The policy worker group on 2 CPU ranks (real Ray actors, FSDP2 over gloo) against one plain process."""
 
-from functools import partial
-
+import math
 import sys
+from functools import partial
 
 import numpy as np
 import pytest
@@ -14,7 +14,7 @@ import grpo_hybrid
 from common.data import load_prompts
 from common.dataproto import DataProto
 from common.rollout import check_rollout
-from common.workers import CriticWorker, PolicyWorker, WorkerGroup
+from common.workers import CriticWorker, PolicyWorker, WorkerGroup, lr_factor
 
 # The loss travels to the workers by value, as it does from a script run as __main__; so do the probes below.
 cloudpickle.register_pickle_by_value(grpo_hybrid)
@@ -235,3 +235,9 @@ def test_vllm_only_settings_are_refused_with_the_hf_engine(flag):
     settings = dict(offload=False, lora_merge=False) | {flag: True}
     with pytest.raises(ValueError, match="act on the vllm engine only"):
         check_rollout("hf", 1.0, 1.0, 0, **settings)
+
+
+def test_lr_factor_warms_up_then_decays_along_a_cosine_to_zero():
+    assert [lr_factor(update, 2, 0) for update in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    cosine = [1.0, (1 + math.cos(math.pi / 4)) / 2, 0.5, (1 + math.cos(3 * math.pi / 4)) / 2, 0.0, 0.0]
+    assert [lr_factor(update, 2, 4) for update in range(8)] == pytest.approx([0.5, 1.0, *cosine])
