@@ -105,7 +105,8 @@ class RunArgs:
     lr_warmup_steps: int = 0
     """linear learning-rate warm-up, in training steps"""
     lr_schedule: Literal["constant", "cosine"] = "constant"
-    """after the warm-up: keep --lr, or decay it along a cosine to 0 at --total-steps"""
+    """after the warm-up: keep --lr, or decay it along a cosine to 0 at --total-steps (a resumed run that raises
+    --total-steps follows the longer curve from there)"""
     weight_decay: float = 0.01
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
@@ -202,7 +203,8 @@ class Run:
 
         reward_workers = args.reward_workers
         if reward_workers is None:
-            reward_workers = 0 if args.in_process else min(len(os.sched_getaffinity(0)), 16)
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # not on macOS
+            reward_workers = 0 if args.in_process else min(cores, 16)
         if reward_workers:
             self.rewards = RewardProcesses(args.reward_fn, reward_workers, args.reward_timeout)
         else:

@@ -65,9 +65,11 @@ def wait_for_steps(run_root: Path, steps: int, process, timeout=300):
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo", "dapo"])
 def test_resumed_run_repeats_an_uninterrupted_one_step_for_step(ray_cluster, demo_files, tmp_path, algo):
+    # The demo's cosine learning rate follows --total-steps, which the interrupted run raises from 2 to 4.
+    constant_lr = ["--lr-schedule", "constant"]
     (tmp_path / "straight").mkdir()
     code, _, stderr = run_script(
-        "--total-steps", "4", "--save-freq", "1", "--keep-last", "2", cwd=tmp_path / "straight", algo=algo
+        "--total-steps", "4", "--save-freq", "1", "--keep-last", "2", *constant_lr, cwd=tmp_path / "straight", algo=algo
     )
     assert code == 0, stderr[-3000:]
     [straight] = (tmp_path / "straight" / "runs").iterdir()
@@ -75,11 +77,11 @@ def test_resumed_run_repeats_an_uninterrupted_one_step_for_step(ray_cluster, dem
     assert not list((straight / "checkpoints").glob(".*partial"))
 
     (tmp_path / "resumed").mkdir()
-    code, _, stderr = run_script("--total-steps", "2", "--save-freq", "2", cwd=tmp_path / "resumed", algo=algo)
+    code, _, stderr = run_script("--total-steps", "2", "--save-freq", "2", *constant_lr, cwd=tmp_path / "resumed", algo=algo)
     assert code == 0, stderr[-3000:]
     # a flag marked resumable may change: DAPO's advice when dynamic sampling runs out is to raise --max-gen-batches
     raised = ["--max-gen-batches", "20"] if algo == "dapo" else []
-    flags = ["--total-steps", "4", "--save-freq", "2", "--resume", "auto", *raised]
+    flags = ["--total-steps", "4", "--save-freq", "2", "--resume", "auto", *constant_lr, *raised]
     code, stdout, stderr = run_script(*flags, cwd=tmp_path / "resumed", algo=algo)
     assert code == 0, stderr[-3000:]
     assert "resumed from" in stdout

@@ -93,7 +93,7 @@ VLLM_FP32 = ["--rollout-engine", "vllm", "--rollout-dtype", "float32"]  # the tr
         ("grpo", LORA),
         ("ppo", ["--critic-warmup", "2"]),
         ("ppo", LORA + ["--tis"]),
-        ("dapo", ["--tis"]),
+        ("dapo", ["--tis", "--overlong-buffer-length", "0"]),
         ("rloo", []),
         ("reinforcepp", ["--baseline"]),
         ("gspo", []),
@@ -106,7 +106,7 @@ VLLM_FP32 = ["--rollout-engine", "vllm", "--rollout-dtype", "float32"]  # the tr
         "grpo-lora",
         "ppo-critic-warmup",
         "ppo-lora-tis",
-        "dapo-tis",
+        "dapo-tis-no-shaping",
         "rloo",
         "reinforcepp-baseline",
         "gspo",
@@ -124,6 +124,8 @@ def test_two_steps_with_two_workers(ray_cluster, demo_files, tmp_path, algo, fla
     for name in SHARED_METRICS + ALGORITHM_METRICS[algo]:
         assert name in rows[2], name
     assert rows[2]["actor/grad_norm"] > 0
+    if "--overlong-buffer-length" in flags:  # 0: no overlong shaping at all
+        assert rows[2]["reward/overlong_penalty_mean"] == 0 and rows[2]["response/overlong_ratio"] == 0
     if "--critic-warmup" in flags:  # the policy first updates at that step, the critic from the start
         assert "actor/pg_loss" not in rows[1] and "critic/loss" in rows[1]
     # both engines compute in fp32 here, as the trainer does: log-probs differ by float rounding only, so TIS weights are 1
