@@ -195,7 +195,8 @@ def test_nan_gradients_skip_updates_then_stop_the_run(ray_cluster, demo_files, t
 )
 def test_a_reward_broken_for_every_sample_stops_at_the_first_step(ray_cluster, demo_files, tmp_path, body, failure):
     (tmp_path / "broken.py").write_text(f"def score(data_source, solution_str, ground_truth, extra_info):\n    {body}\n")
-    code, _, stderr = run_script("--total-steps", "3", "--reward-fn", f"{tmp_path}/broken.py:score", cwd=tmp_path)
+    flags = ["--total-steps", "3", "--reward-fn", f"{tmp_path}/broken.py:score", "--reward-workers", "2"]
+    code, _, stderr = run_script(*flags, cwd=tmp_path)
     assert code != 0
     assert "the reward function failed for 32 of 32 samples, more than --max-reward-error-share 0.5 allows" in stderr
     assert "for data_source 'addition', ground_truth" in stderr and failure in stderr
