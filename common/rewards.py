@@ -176,6 +176,12 @@ class InProcessRewards:
 CURRENT_CALL = struct.Struct("qd")  # what a reward process is scoring: the sample's index and when the call started
 
 
+def write_current_call(current_call: mmap.mmap, index: int, start: float) -> None:
+    """Write both fields with one copy. Not struct's pack_into: it zeroes the fields before it fills them, and a
+    driver that read the start time in between saw a call that started at time 0, long past its deadline."""
+    current_call[: CURRENT_CALL.size] = CURRENT_CALL.pack(index, start)
+
+
 @dataclass
 class RewardProcess:
     process: subprocess.Popen
@@ -251,7 +257,7 @@ class RewardProcesses:
             for slot, worker in enumerate(self.processes):
                 if worker.ready and not worker.sent and todo:
                     worker.sent = [todo.popleft() for _ in range(min(share, len(todo)))]
-                    CURRENT_CALL.pack_into(worker.current_call, 0, worker.sent[0], time.monotonic())
+                    write_current_call(worker.current_call, worker.sent[0], time.monotonic())
                     try:
                         worker.connection.send([(i, samples[i]) for i in worker.sent])
                     except OSError:  # it died between batches
@@ -321,7 +327,7 @@ def serve(fd: int, current_call_fd: int, spec: str) -> None:
             return
         outcomes = []
         for index, sample in share:
-            CURRENT_CALL.pack_into(current_call, 0, index, time.monotonic())
+            write_current_call(current_call, index, time.monotonic())
             outcomes.append(call_reward(reward_fn, *sample))
         try:
             connection.send(outcomes)

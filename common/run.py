@@ -120,9 +120,9 @@ class RunArgs:
     lora_target_modules: str = "all-linear"
     """modules that get an adapter"""
 
-    reward_workers: int = flag(0, resumable=True)
-    """processes that call the reward function, each on one response at a time, isolated from the run (a hung call is
-    killed, a crash fails one sample); 0 calls it in this process, one response after another"""
+    reward_workers: int | None = flag(None, resumable=True)
+    """processes that call the reward function, each on one response at a time, isolated from the run (default: one
+    per CPU core, at most 16); 0 calls it in this process, one response after another (the default with --in-process)"""
     reward_timeout: float = flag(10.0, resumable=True)
     """seconds a reward function may take for one response before it is stopped and scores 0 (0: no limit)"""
     max_reward_error_share: float = flag(0.5, resumable=True)
@@ -174,7 +174,7 @@ class Run:
         num_workers = 1 if args.in_process else args.num_workers
         check_batch_sizes(args.train_batch_size, args.mini_batch_size, args.n, num_workers)
         check_rollout(args.rollout_engine, args.temperature, args.top_p, args.top_k, args.lora_merge, args.offload)
-        if args.reward_workers < 0:
+        if args.reward_workers is not None and args.reward_workers < 0:
             raise ValueError(f"--reward-workers is {args.reward_workers}; use 0 to score in this process, or more")
         torch.manual_seed(args.seed)
         self.tokenizer = load_tokenizer(args.model_path)
@@ -201,8 +201,12 @@ class Run:
         wandb = dict(wandb_project=args.wandb_project_name, wandb_entity=args.wandb_entity) if args.track else {}
         self.tracker = Tracker(run_prefix, dataclasses.asdict(args), self.resume_from, **wandb)
 
-        if args.reward_workers:
-            self.rewards = RewardProcesses(args.reward_fn, args.reward_workers, args.reward_timeout)
+        reward_workers = args.reward_workers
+        if reward_workers is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # not on macOS
+            reward_workers = 0 if args.in_process else min(cores, 16)
+        if reward_workers:
+            self.rewards = RewardProcesses(args.reward_fn, reward_workers, args.reward_timeout)
         else:
             self.rewards = InProcessRewards(self.reward_fn, args.reward_timeout)
         self.pool = None

@@ -1,3 +1,7 @@
+import mmap
+import subprocess
+import sys
+
 import numpy as np
 import psutil
 import pytest
@@ -205,3 +209,31 @@ def test_a_reward_file_that_fails_in_the_processes_stops_the_run(tmp_path, token
             score(batch_of(tokenizer, ["1"], ["1"]), tokenizer, pool)
     finally:
         pool.close()
+
+
+def test_the_driver_never_reads_a_call_half_written(tmp_path):
+    """A reward process rewrites its current call while the driver reads it. A read between two field writes once
+    gave a start time of 0 and a timeout for a call that had just started (struct's pack_into zeroes first)."""
+    shared_file = tmp_path / "current_call"
+    shared_file.write_bytes(rewards.CURRENT_CALL.pack(1, 1.0))
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import mmap, sys, time\n"
+            "from common.rewards import CURRENT_CALL, write_current_call\n"
+            "with open(sys.argv[1], 'r+b') as file:\n"
+            "    shared = mmap.mmap(file.fileno(), CURRENT_CALL.size)\n"
+            "end = time.monotonic() + 1\n"
+            "while time.monotonic() < end:\n"
+            "    write_current_call(shared, 1, 1.0)\n",
+            str(shared_file),
+        ]
+    )
+    with open(shared_file, "r+b") as file:
+        shared = mmap.mmap(file.fileno(), rewards.CURRENT_CALL.size)
+    reads = set()
+    while writer.poll() is None:
+        reads.add(rewards.CURRENT_CALL.unpack_from(shared))
+    assert writer.returncode == 0
+    assert reads == {(1, 1.0)}
