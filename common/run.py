@@ -96,8 +96,11 @@ class RunArgs:
     """responses sampled per prompt"""
     mini_batch_size: int = flag(32, positive=True)
     """prompts per optimiser step; train-batch-size / mini-batch-size steps per batch"""
-    micro_batch_size: int = flag(8, positive=True)
+    micro_batch_size: int = flag(8, positive=True, resumable=True)
     """sequences per forward/backward on one worker (gradient accumulation beyond that)"""
+    micro_batch_tokens: int = flag(0, resumable=True)
+    """tokens (prompt and response, no padding) per forward/backward on one worker, as many sequences as fit, in place
+    of --micro-batch-size; at least --max-prompt-length + --max-response-length (0: count sequences instead)"""
     ppo_epochs: int = flag(1, positive=True)
     """passes over each batch"""
     lr: float = 1e-6
@@ -174,6 +177,12 @@ class Run:
         num_workers = 1 if args.in_process else args.num_workers
         check_batch_sizes(args.train_batch_size, args.mini_batch_size, args.n, num_workers)
         check_rollout(args.rollout_engine, args.temperature, args.top_p, args.top_k, args.lora_merge, args.offload)
+        longest = args.max_prompt_length + args.max_response_length
+        if args.micro_batch_tokens and not longest <= args.micro_batch_tokens:
+            raise ValueError(
+                f"--micro-batch-tokens {args.micro_batch_tokens} cannot hold one sequence of --max-prompt-length + "
+                f"--max-response-length = {longest} tokens; raise it, or use 0 to count sequences with --micro-batch-size"
+            )
         if args.reward_workers is not None and args.reward_workers < 0:
             raise ValueError(f"--reward-workers is {args.reward_workers}; use 0 to score in this process, or more")
         torch.manual_seed(args.seed)
@@ -236,6 +245,7 @@ class Run:
             epochs=args.ppo_epochs,
             mini_batch_size=args.mini_batch_size * args.n,
             micro_batch_size=args.micro_batch_size,
+            micro_batch_tokens=args.micro_batch_tokens,
             seed=args.seed,
             lr=args.lr,
             weight_decay=args.weight_decay,

@@ -23,6 +23,7 @@ import shutil
 import socket
 from collections import defaultdict
 from contextlib import nullcontext
+from typing import Literal
 
 import numpy as np
 import ray
@@ -122,13 +123,18 @@ class WorkerGroup:
     def scatter(self, method: str, data: DataProto, **kwargs):
         """Split `data` across ranks (padding to a multiple of the world size), call all, reassemble.
 
-        DataProto results are concatenated and unpadded; others come back as a list per rank.
+        Sequences (rows with an `attention_mask`) are dealt so that every rank gets as many rows and near-equal tokens
+        (balanced_parts): the rank with the long answers would otherwise set the pace. DataProto results come back
+        in `data`'s order, unpadded; others as a list per rank.
         """
         padded, pad = data.pad_to_multiple(self.world_size)
-        chunks = padded.chunk(self.world_size)
-        results = self._get([self._call(w, method, c, **kwargs) for w, c in zip(self.workers, chunks)], method)
+        if "attention_mask" in padded:
+            parts = balanced_parts(padded["attention_mask"].sum(-1).tolist(), self.world_size, equal_size=True)
+        else:
+            parts = np.array_split(np.arange(len(padded)), self.world_size)
+        results = self._get([self._call(w, method, padded[rows], **kwargs) for w, rows in zip(self.workers, parts)], method)
         if isinstance(results[0], DataProto):
-            return DataProto.concat(results).unpad(pad)
+            return DataProto.concat(results)[np.argsort(np.concatenate(parts))].unpad(pad)
         return results
 
     def shutdown(self) -> None:
@@ -144,6 +150,25 @@ class WorkerGroup:
                 ray.get(worker.__ray_ready__.remote())
             except ray.exceptions.RayActorError:
                 pass
+
+
+def balanced_parts(weights: list[float], parts: int, equal_size: bool = False) -> list[np.ndarray]:
+    """Indices of `weights` in `parts` parts of near-equal total weight (greedy number partitioning: the heaviest
+    item goes to the lightest part), each part in ascending order. With `equal_size`, each part takes
+    len(weights) / parts items."""
+    if equal_size and len(weights) % parts:
+        raise ValueError(f"{len(weights)} items do not split into {parts} parts of equal size")
+    room = len(weights) // parts if equal_size else len(weights)
+    members, loads = [[] for _ in range(parts)], [0.0] * parts
+    for i in sorted(range(len(weights)), key=lambda i: -weights[i]):
+        part = min((p for p in range(parts) if len(members[p]) < room), key=lambda p: loads[p])
+        members[part].append(i)
+        loads[part] += weights[i]
+    return [np.array(sorted(m), dtype=np.int64) for m in members]
+
+
+def part_loads(weights: list[float], parts: list[np.ndarray]) -> list[float]:
+    return [sum(weights[i] for i in part) for part in parts]
 
 
 # --------------------------------------------------------------------------- FSDP2 workers
@@ -169,6 +194,8 @@ def lr_factor(update: int, warmup_steps: int, decay_steps: int) -> float:
 class FSDPWorker:
     """What the policy and the critic share: distributed setup, FSDP2 sharding, optimisation."""
 
+    language_model = True  # its output is logits over the vocabulary (see response_outputs)
+
     def __init__(self, rank: int, world_size: int, use_gpu: bool):
         # The pool decides, not torch.cuda.is_available(): recent Ray no longer hides the GPUs from CPU-only actors.
         self.rank, self.world_size = rank, world_size
@@ -184,6 +211,7 @@ class FSDPWorker:
         epochs: int = 1,
         mini_batch_size: int | None = None,
         micro_batch_size: int = 8,
+        micro_batch_tokens: int = 0,
         seed: int = 1,
         lr: float = 1e-6,
         weight_decay: float = 0.0,
@@ -198,12 +226,14 @@ class FSDPWorker:
         """Join the process group, load the model (with a LoRA adapter if asked), shard it, build its optimiser.
 
         An update makes `epochs` passes over its batch, one optimiser step per `mini_batch_size` sequences (over all
-        ranks; default the whole batch); every forward and backward takes at most `micro_batch_size` sequences. The
-        learning rate rises linearly over `lr_warmup_steps` updates, then (with `lr_decay_steps`) falls to 0 along a
-        cosine over that many more."""
+        ranks; default the whole batch); every forward and backward takes at most `micro_batch_size` sequences, or with
+        `micro_batch_tokens` as many sequences as fit in that many tokens (see micro_batches). The learning rate rises
+        linearly over `lr_warmup_steps` updates, then (with `lr_decay_steps`) falls to 0 along a cosine over that many
+        more."""
         self._init_distributed(master, seed)
         self.model_path, self.max_grad_norm, self.lora = model_path, max_grad_norm, lora_rank > 0
         self.epochs, self.mini_batch_size, self.micro_batch_size = epochs, mini_batch_size, micro_batch_size
+        self.micro_batch_tokens = micro_batch_tokens
         self.lora_settings = (lora_rank, lora_alpha, lora_target_modules)
         model = self._load(model_path)
         self.layer_classes = set(getattr(model, "_no_split_modules", None) or [])
@@ -213,8 +243,14 @@ class FSDPWorker:
             model = self._add_lora(model)
         self.model = self._shard(model)
         self._build_optimizer(lr, weight_decay, lr_warmup_steps, lr_decay_steps)
+        packing = "one row" if self.attention == "flash_attention_2" else "rows"
+        self.layout = packing if self._packs_exactly(packing) else "padded"
         if self.rank == 0:
-            print(f"{type(self).__name__}: {self.world_size} x {self.device.type}, attention: {self.attention}")
+            layout = "" if self.layout != "padded" else " (this model's attention lets packed sequences see each other)"
+            print(
+                f"{type(self).__name__}: {self.world_size} x {self.device.type}, attention: {self.attention}, "
+                f"micro-batches: {self.layout}{layout}"
+            )
 
     def _init_distributed(self, master: tuple[str, int], seed: int) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -268,6 +304,40 @@ class FSDPWorker:
         dist.all_reduce(tensor)
         return tensor.tolist()
 
+    @torch.no_grad()
+    def _packs_exactly(self, packing: Layout) -> bool:
+        """Whether packed micro-batches give this model's padded outputs (transformers keeps packed sequences apart
+        for most models): two made-up sequences that share a packed row, both ways, in the precision it trains in."""
+        self.model.eval()
+        ids = torch.randint(self.model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+        attention_mask = torch.tensor([[0] * 4 + [1] * 5 + [0] * 3, [0] * 3 + [1] * 6 + [0] * 3])
+        micro = DataProto.from_dict(
+            {
+                "input_ids": ids * attention_mask,
+                "attention_mask": attention_mask,
+                "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+                "responses": ids[:, 6:],
+            }
+        ).to(self.device)
+        padded, packed = (response_outputs(self.model, micro, p, self.language_model).float() for p in ("padded", packing))
+        if self.language_model:
+            padded, packed = torch.log_softmax(padded, -1), torch.log_softmax(packed, -1)
+        return (padded - packed).abs().max().item() <= (1e-4 if self.device.type == "cpu" else 5e-2)
+
+    def micro_batches(self, data: DataProto) -> list[np.ndarray]:
+        """The rows of each micro-batch of `data`: `micro_batch_size` rows at a time, or with `micro_batch_tokens`, the
+        fewest micro-batches of at most that many tokens each, balanced by tokens (balanced_parts). Every rank takes
+        as many micro-batches as the rank that needs most: FSDP's collectives run once per forward on every rank."""
+        if not self.micro_batch_tokens:
+            return [
+                np.arange(i, min(i + self.micro_batch_size, len(data))) for i in range(0, len(data), self.micro_batch_size)
+            ]
+        lengths = data["attention_mask"].sum(-1).tolist()
+        count = math.ceil(sum(lengths) / self.micro_batch_tokens)
+        while count < len(lengths) and max(part_loads(lengths, balanced_parts(lengths, count))) > self.micro_batch_tokens:
+            count += 1
+        return balanced_parts(lengths, int(self._all_reduce_max(count)))
+
     def _update(self, data: DataProto, loss_fn, forward) -> dict:
         """Epochs x mini-batches x micro-batches; one optimiser step per mini-batch.
 
@@ -282,8 +352,8 @@ class FSDPWorker:
             for mini in data.split(per_rank):
                 tokens, seqs = self._all_reduce_sum([mini["response_mask"].sum().item(), len(mini)])
                 shares = defaultdict(float)
-                for micro in mini.split(self.micro_batch_size):
-                    micro = micro.to(self.device)
+                for rows in self.micro_batches(mini):
+                    micro = mini[rows].to(self.device)
                     loss, metrics = loss_fn(micro, forward(micro), minibatch_tokens=tokens, minibatch_seqs=seqs)
                     # FSDP averages gradients over ranks; the loss shares add up instead.
                     (loss * self.world_size).backward()
@@ -382,6 +452,60 @@ def _lora(model, rank: int, alpha: int, target_modules: str, task_type: str, mod
     return get_peft_model(model, config)
 
 
+def pack_rows(lengths: list[int], width: int) -> tuple[list[int], list[int]]:
+    """The row and the offset of each sequence in rows of `width` tokens (first-fit decreasing bin packing)."""
+    row_of, offset_of, used = [0] * len(lengths), [0] * len(lengths), []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r, tokens in enumerate(used) if tokens + lengths[i] <= width), len(used))
+        if row == len(used):
+            used.append(0)
+        row_of[i], offset_of[i] = row, used[row]
+        used[row] += lengths[i]
+    return row_of, offset_of
+
+
+Layout = Literal["padded", "one row", "rows"]
+
+
+def response_outputs(model, micro: DataProto, layout: Layout, language_model: bool) -> torch.Tensor:
+    """The model's output (a language model's logits, a critic's values) at the position before each real response
+    token: one row per token where `attention_mask`'s response part is 1, the micro-batch's rows one after another.
+
+    "padded": the model runs over the micro-batch's rectangle, padding included. Packed, the sequences' tokens are
+    laid end to end with positions restarting per sequence, from which transformers builds attention that never
+    crosses a sequence: "one row" holds them all, for flash-attention's variable-length kernel (a language model then
+    projects to the vocabulary only the positions read); "rows" fills rows as wide as the micro-batch, for kernels
+    that take a dense mask (SDPA), whose cost grows with the square of a row's width.
+    """
+    attention_mask = micro["attention_mask"].bool()
+    response_length = micro["responses"].shape[1]
+    response_mask = attention_mask[:, -response_length:]
+    if layout == "padded":
+        keep = {"logits_to_keep": response_length + 1} if language_model else {}
+        inputs = {key: micro[key] for key in ("input_ids", "attention_mask", "position_ids")}
+        output = model(**inputs, use_cache=False, **keep).logits
+        return output[:, -response_length - 1 : -1][response_mask]
+    lengths = attention_mask.sum(-1)
+    width = int(lengths.sum()) if layout == "one row" else attention_mask.shape[1]
+    row_of, offset_of = pack_rows(lengths.tolist(), width)
+    start = torch.tensor(row_of, device=lengths.device) * width + torch.tensor(offset_of, device=lengths.device)
+    place = start[:, None] + attention_mask.cumsum(-1) - 1  # each token's place in the packed rows, read flat
+    tokens = place[attention_mask]
+    inputs = {
+        key: micro[key].new_zeros((max(row_of) + 1) * width).index_put_((tokens,), micro[key][attention_mask]).view(-1, width)
+        for key in ("input_ids", "position_ids")  # padding at a row's end sits at position 0: a sequence of its own
+    }
+    read = place[:, -response_length - 1 : -1][response_mask]
+    if layout == "one row" and language_model:
+        return model(**inputs, use_cache=False, logits_to_keep=read).logits[0]
+    return model(**inputs, use_cache=False).logits.flatten(0, 1)[read]
+
+
+def rows_of(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`values`, one per true entry of `mask`, back in `mask`'s shape with 0 elsewhere."""
+    return values.new_zeros(mask.shape).masked_scatter(mask, values)
+
+
 def _response_log_probs(logits: torch.Tensor, responses: torch.Tensor, temperature: float, with_entropy: bool):
     logits = logits.float() / temperature
     log_probs = torch.log_softmax(logits, dim=-1)
@@ -472,25 +596,22 @@ class PolicyWorker(FSDPWorker):
         )
 
     def _forward(self, model, micro: DataProto, with_entropy: bool):
-        responses = micro["responses"]
-        output = model(
-            input_ids=micro["input_ids"],
-            attention_mask=micro["attention_mask"],
-            position_ids=micro["position_ids"],
-            logits_to_keep=responses.shape[1] + 1,
-            use_cache=False,
-        )
-        return _response_log_probs(output.logits[:, :-1], responses, self.temperature, with_entropy)
+        """Log-probs (and entropies) of the response tokens, 0 on padding."""
+        response_mask = micro["attention_mask"][:, -micro["responses"].shape[1] :].bool()
+        logits = response_outputs(model, micro, self.layout, language_model=True)
+        log_probs, entropy = _response_log_probs(logits, micro["responses"][response_mask], self.temperature, with_entropy)
+        return rows_of(log_probs, response_mask), rows_of(entropy, response_mask) if with_entropy else None
 
     @torch.no_grad()
     def _log_probs(self, data: DataProto, model, with_entropy: bool):
         model.eval()
-        log_probs, entropies = [], []
-        for micro in data.split(self.micro_batch_size):
-            log_prob, entropy = self._forward(model, micro.to(self.device), with_entropy)
+        log_probs, entropies, parts = [], [], self.micro_batches(data)
+        for rows in parts:
+            log_prob, entropy = self._forward(model, data[rows].to(self.device), with_entropy)
             log_probs.append(log_prob.cpu())
             entropies.append(entropy.cpu() if with_entropy else None)
-        return torch.cat(log_probs), torch.cat(entropies) if with_entropy else None
+        order = np.argsort(np.concatenate(parts))  # back to the rows' order
+        return torch.cat(log_probs)[order], torch.cat(entropies)[order] if with_entropy else None
 
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """Per-token log-probs and entropies of the responses under the current policy."""
@@ -545,21 +666,19 @@ class CriticWorker(FSDPWorker):
         # The value head is new: it trains in full beside the adapter.
         return _lora(model, *self.lora_settings, "TOKEN_CLS", modules_to_save=["score"])
 
+    language_model = False
+
     def _forward(self, micro: DataProto) -> torch.Tensor:
-        """The value of the state before each response token."""
-        output = self.model(
-            input_ids=micro["input_ids"],
-            attention_mask=micro["attention_mask"],
-            position_ids=micro["position_ids"],
-            use_cache=False,
-        )
-        return output.logits[:, -micro["responses"].shape[1] - 1 : -1, 0].float()
+        """The value of the state before each response token, 0 on padding."""
+        response_mask = micro["attention_mask"][:, -micro["responses"].shape[1] :].bool()
+        return rows_of(response_outputs(self.model, micro, self.layout, language_model=False)[:, 0].float(), response_mask)
 
     @torch.no_grad()
     def compute_values(self, data: DataProto) -> DataProto:
         self.model.eval()
-        values = [self._forward(micro.to(self.device)).cpu() for micro in data.split(self.micro_batch_size)]
-        return DataProto.from_dict({"values": torch.cat(values)})
+        parts = self.micro_batches(data)
+        values = [self._forward(data[rows].to(self.device)).cpu() for rows in parts]
+        return DataProto.from_dict({"values": torch.cat(values)[np.argsort(np.concatenate(parts))]})
 
     def update(self, data: DataProto, loss_fn) -> dict:
         """Regress values with the script's `loss_fn(micro_batch, values, ...)`."""

@@ -279,6 +279,10 @@ def test_a_hanging_reward_is_cut_off(tokenizer):
         (["--save-freq", "0"], "--save-freq is 0; it must be above 0"),
         (["--mini-batch-size", "0"], "--mini-batch-size is 0; it must be above 0"),
         (["--micro-batch-size", "0"], "--micro-batch-size is 0; it must be above 0"),
+        (
+            ["--micro-batch-tokens", "10"],
+            "--micro-batch-tokens 10 cannot hold one sequence of --max-prompt-length + --max-response-length = 12 tokens",
+        ),
         (["--max-response-length", "0"], "--max-response-length is 0; it must be above 0"),
         (["--temperature", "0"], "--temperature is 0.0: rollouts are sampled, so it must be above 0"),
         (["--reward-workers", "-1"], "--reward-workers is -1; use 0 to score in this process, or more"),
@@ -304,6 +308,7 @@ def test_a_hanging_reward_is_cut_off(tokenizer):
         "save-freq-0",
         "mini-batch-0",
         "micro-batch-0",
+        "micro-batch-tokens-below-one-sequence",
         "max-response-length-0",
         "temperature-0",
         "reward-workers-negative",

@@ -49,9 +49,9 @@ def batch_of(tokenizer, texts, truths, source="addition"):
 
 def test_score_builtin(tokenizer):
     batch = batch_of(tokenizer, ["3", "12", "4"], ["3", "12", "5"])
-    for rewards in InProcessRewards(default_reward), RewardProcesses(None, 2):
-        scores, metrics, _ = score(batch, tokenizer, rewards)
-        rewards.close()
+    for scorer in InProcessRewards(default_reward), RewardProcesses(None, 2):
+        scores, metrics, _ = score(batch, tokenizer, scorer)
+        scorer.close()
         assert scores.tolist() == [1.0, 1.0, 0.0]
         assert metrics["reward/errors"] == 0
 
@@ -66,16 +66,16 @@ def test_user_reward_from_file_and_a_raising_one(tmp_path, tokenizer):
         "    return 1.0\n"
     )
     spec = f"{tmp_path}/my_reward.py:length_reward"
-    for rewards in InProcessRewards(load_reward_fn(spec)), RewardProcesses(spec, 2):
-        scores, _, extras = score(batch_of(tokenizer, ["3", "12"], ["3", "12"]), tokenizer, rewards)
-        rewards.close()
+    for scorer in InProcessRewards(load_reward_fn(spec)), RewardProcesses(spec, 2):
+        scores, _, extras = score(batch_of(tokenizer, ["3", "12"], ["3", "12"]), tokenizer, scorer)
+        scorer.close()
         assert scores.tolist() == [1.0, 2.0]
         assert extras == [{"note": "x", "exact": 1}, {"note": "x", "exact": 0}]  # the keys beside "score", per response
         assert extra_means(extras, "reward/") == {"reward/exact": 0.5}  # numbers only
     spec = f"{tmp_path}/my_reward.py:picky"
-    for rewards in InProcessRewards(load_reward_fn(spec)), RewardProcesses(spec, 2):
-        scores, metrics, _ = score(batch_of(tokenizer, ["3", "12", "7"], ["3", "12", "7"]), tokenizer, rewards)
-        rewards.close()
+    for scorer in InProcessRewards(load_reward_fn(spec)), RewardProcesses(spec, 2):
+        scores, metrics, _ = score(batch_of(tokenizer, ["3", "12", "7"], ["3", "12", "7"]), tokenizer, scorer)
+        scorer.close()
         assert scores.tolist() == [1.0, 0.0, 1.0]
         assert metrics["reward/errors"] == 1
 

@@ -36,7 +36,14 @@ class Probe:
 
 
 class PolicyProbe(Probe, PolicyWorker):
-    pass
+    def load_of(self, data: DataProto) -> tuple[int, int]:
+        """The rows and tokens this rank was dealt."""
+        return len(data), int(data["attention_mask"].sum())
+
+    def micro_batch_loads(self, data: DataProto) -> tuple[list[int], list[int]]:
+        """The tokens of each micro-batch, and every row they take."""
+        parts = self.micro_batches(data)
+        return [int(data[rows]["attention_mask"].sum()) for rows in parts], sorted(np.concatenate(parts).tolist())
 
 
 class CriticProbe(Probe, CriticWorker):
@@ -125,8 +132,10 @@ def test_update_matches_one_process_for_any_micro_batch(policy, prompts, tiny_mo
     inputs = batch.select(*LOG_PROB_INPUTS, "response_mask", "old_log_probs", "advantages")
     model = local_model(tiny_model)
 
-    cases = [(script, micro_batch_size) for script in (grpo_hybrid, dapo_hybrid) for micro_batch_size in (4, 2, 1)]
-    for attempt, (script, micro_batch_size) in enumerate(cases):
+    by_rows = [{"micro_batch_size": size, "micro_batch_tokens": 0} for size in (4, 2, 1)]
+    by_tokens = [{"micro_batch_tokens": budget} for budget in (12, 30)]  # a sequence here is 5 to 12 tokens
+    cases = [(script, micro) for script in (grpo_hybrid, dapo_hybrid) for micro in by_rows + by_tokens]
+    for attempt, (script, micro) in enumerate(cases):
         loss_fn = partial(script.actor_loss, args=script.Args(kl_loss_coef=0.0))
         before = policy.broadcast("full_state_dict")[0]
         model.load_state_dict(before, strict=False)
@@ -137,19 +146,55 @@ def test_update_matches_one_process_for_any_micro_batch(policy, prompts, tiny_mo
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item()
 
-        policy.broadcast("set", mini_batch_size=8, micro_batch_size=micro_batch_size)
+        policy.broadcast("set", mini_batch_size=8, **micro)
         per_rank = policy.scatter("update", inputs, loss_fn=loss_fn)
         assert per_rank[0] == per_rank[1]
         assert per_rank[0]["loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-6)
         assert per_rank[0]["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
 
         if attempt == 0:  # a fresh AdamW on both sides: the updated weights must agree too
+            gradients = {name: p.grad.clone() for name, p in model.named_parameters()}
             torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0).step()
             rank0, rank1 = policy.broadcast("full_state_dict")
             for name, value in rank0.items():
                 torch.testing.assert_close(value, rank1[name], rtol=0, atol=0)
-                torch.testing.assert_close(value, model.state_dict()[name], rtol=1e-5, atol=1e-5)
-    policy.broadcast("set", mini_batch_size=None, micro_batch_size=2)
+                # AdamW's first step is lr * g / (|g| + 1e-8): where |g| is near 1e-8, rounding decides its size
+                settled = gradients[name].abs() > 1e-6
+                expected = model.state_dict()[name]
+                torch.testing.assert_close(value[settled], expected[settled], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(value, expected, rtol=0, atol=1e-3)
+    policy.broadcast("set", mini_batch_size=None, micro_batch_size=2, micro_batch_tokens=0)
+
+
+def test_ranks_get_even_tokens_and_micro_batches_fit_the_budget(policy, prompts, tokenizer):
+    from common.rollout import response_batch
+
+    # responses of 4 tokens first, then of 1: split in order, one rank would get most of the tokens
+    response_lengths = torch.tensor([4] * 8 + [2] * 4 + [1] * 8)
+    batch = prompts.repeat(4)
+    responses = torch.randint(10, 60, (20, 4), generator=torch.Generator().manual_seed(0))
+    responses[torch.arange(4)[None] == response_lengths[:, None] - 1] = tokenizer.eos_token_id
+    batch |= response_batch(
+        batch["prompts"], batch["prompt_mask"], responses, torch.zeros(20, 4), 4, [tokenizer.eos_token_id], 0
+    )
+    lengths = batch["attention_mask"].sum(-1)
+    rows, tokens = zip(*policy.scatter("load_of", batch.select(*LOG_PROB_INPUTS)))
+    assert rows == (10, 10) and sum(tokens) == lengths.sum()
+    assert abs(tokens[0] - tokens[1]) <= lengths.max()
+    halves = batch["attention_mask"].sum(-1).split(10)
+    assert abs(tokens[0] - tokens[1]) < abs(halves[0].sum() - halves[1].sum())
+
+    policy.broadcast("set", micro_batch_tokens=24)
+    try:
+        (loads, rows), (other_loads, other_rows) = policy.scatter("micro_batch_loads", batch.select(*LOG_PROB_INPUTS))
+        result = policy.scatter("compute_log_prob", batch.select(*LOG_PROB_INPUTS))
+    finally:
+        policy.broadcast("set", micro_batch_tokens=0)
+    assert len(loads) == len(other_loads) >= math.ceil(max(sum(loads), sum(other_loads)) / 24)  # one forward each at once
+    assert max(loads + other_loads) <= 24 and rows == other_rows == list(range(10))
+    reference = policy.scatter("compute_log_prob", batch.select(*LOG_PROB_INPUTS))
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(result["old_log_probs"][mask], reference["old_log_probs"][mask], rtol=1e-5, atol=1e-5)
 
 
 def test_reference_stays_the_base_model_after_updates(policy, prompts, tiny_model):

@@ -1,0 +1,99 @@
+"""Packed micro-batches against padded ones on the tiny model, and the partitioning that balances them."""
+
+import numpy as np
+import pytest
+import torch
+
+from common.dataproto import DataProto
+from common.workers import _response_log_probs, balanced_parts, pack_rows, part_loads, response_outputs, rows_of
+
+
+def uneven_batch(vocab_size: int) -> DataProto:
+    """Left-padded prompts of 1 to 7 tokens and right-padded responses of 1 to 6."""
+    prompt_lengths, response_lengths = torch.tensor([7, 3, 5, 1, 7, 2]), torch.tensor([6, 1, 3, 2, 4, 6])
+    prompt_mask = (torch.arange(7)[None] >= 7 - prompt_lengths[:, None]).long()
+    response_mask = (torch.arange(6)[None] < response_lengths[:, None]).long()
+    attention_mask = torch.cat([prompt_mask, response_mask], -1)
+    input_ids = torch.randint(3, vocab_size, attention_mask.shape, generator=torch.Generator().manual_seed(0))
+    input_ids = input_ids * attention_mask
+    return DataProto.from_dict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+            "responses": input_ids[:, 7:],
+        }
+    )
+
+
+@pytest.mark.parametrize("packing", ["rows", "one row"])
+def test_packed_log_probs_entropies_gradients_and_step_equal_the_padded_ones(tiny_model, packing):
+    from transformers import AutoModelForCausalLM
+
+    results = []
+    for layout in ("padded", packing):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="sdpa")
+        batch = uneven_batch(model.config.vocab_size)
+        mask = batch["attention_mask"][:, 7:].bool()
+        logits = response_outputs(model, batch, layout, language_model=True)
+        log_probs, entropy = _response_log_probs(logits, batch["responses"][mask], 1.0, with_entropy=True)
+        advantages = torch.linspace(-1, 1, int(mask.sum()))
+        (-(log_probs * advantages).mean() - 0.01 * entropy.mean()).backward()
+        gradients = {name: p.grad.clone() for name, p in model.named_parameters()}
+        torch.optim.SGD(model.parameters(), lr=1.0).step()
+        results.append((rows_of(log_probs, mask), rows_of(entropy, mask), gradients, model.state_dict()))
+    (padded_log_probs, padded_entropy, padded_grads, padded_weights), (log_probs, entropy, grads, weights) = results
+    assert padded_log_probs.shape == (6, 6) and torch.all(padded_log_probs[~mask] == 0)
+    torch.testing.assert_close(log_probs, padded_log_probs, rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy, padded_entropy, rtol=0, atol=1e-5)
+    for name, gradient in padded_grads.items():
+        torch.testing.assert_close(grads[name], gradient, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(weights[name], padded_weights[name], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("packing", ["rows", "one row"])
+def test_packed_values_equal_the_padded_ones(tiny_model, packing):
+    from transformers import AutoModelForTokenClassification
+
+    model = AutoModelForTokenClassification.from_pretrained(tiny_model, dtype=torch.float32, num_labels=1)
+    batch = uneven_batch(model.config.vocab_size)
+    padded, packed = (response_outputs(model, batch, layout, language_model=False) for layout in ("padded", packing))
+    assert packed.shape == (int(batch["attention_mask"][:, 7:].sum()), 1)
+    torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5)
+
+
+def test_attention_that_crosses_sequences_would_be_caught(tiny_model):
+    """Two sequences in one row whose positions do not restart are one sequence to the model: the second then sees
+    the first, and its outputs move far beyond the tolerance of the check each worker makes at setup
+    (FSDPWorker._packs_exactly), against the second alone at the same positions."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="sdpa")
+    batch = uneven_batch(model.config.vocab_size)
+    mask = batch["attention_mask"].bool()
+    first, second = batch["input_ids"][0][mask[0]], batch["input_ids"][1][mask[1]]
+    positions = torch.arange(len(first) + len(second))[None]
+    crossing = model(input_ids=torch.cat([first, second])[None], position_ids=positions).logits[0, len(first) :]
+    alone = model(input_ids=second[None], position_ids=positions[:, len(first) :]).logits[0]
+    assert (torch.log_softmax(crossing, -1) - torch.log_softmax(alone, -1)).abs().max() > 1e-2
+
+
+def test_balanced_parts_deal_the_heaviest_first_to_the_lightest_part():
+    weights = [10, 1, 1, 1, 9, 2]
+    parts = balanced_parts(weights, 2, equal_size=True)
+    assert [p.tolist() for p in parts] == [[0, 1, 2], [3, 4, 5]] and part_loads(weights, parts) == [12, 12]
+    parts = balanced_parts([5, 4, 3, 3, 3], 2)
+    assert [p.tolist() for p in parts] == [[0, 3], [1, 2, 4]]  # 8 and 10: greedy, not the optimum 9 and 9
+    parts = balanced_parts([1, 1, 1, 1], 4)
+    assert [p.tolist() for p in parts] == [[0], [1], [2], [3]]
+    with pytest.raises(ValueError, match="5 items do not split into 2 parts of equal size"):
+        balanced_parts([1] * 5, 2, equal_size=True)
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(5, 1, 512), 16, 1024).tolist()
+    loads = part_loads(lengths, balanced_parts(lengths, 8, equal_size=True))
+    assert max(loads) - min(loads) <= max(lengths)
+
+
+def test_pack_rows_fills_the_first_row_with_room_longest_first():
+    assert pack_rows([5, 9, 3, 4, 12], 12) == ([2, 1, 1, 2, 0], [0, 0, 9, 5, 0])
+    assert pack_rows([2, 3], 5) == ([0, 0], [3, 0])
