@@ -46,23 +46,25 @@ def calls_per_rank(events) -> dict[str, dict[int, list[float]]]:
     return per_rank
 
 
-def worker_compute_per_call(expected_calls: int) -> dict[str, list[float]]:
-    """Seconds of method execution per call, the slowest rank's, in call order, per method.
+def worker_compute_per_call(steps: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds of method execution per call, the slowest rank's, in call order, per method of a step.
 
-    Ray reports task events to its timeline about once a second, so right after a run the last calls of a rank
-    may be missing: wait (up to 30 s) until every rank of every method has at least `expected_calls` calls.
+    Ray reports task events to its timeline about once a second, and a worker stopped at the end of the run takes its
+    last report with it: wait (up to 30 s) for a call per step of every method on every rank, then make do with the
+    calls every rank has, as long as some come after the warm-up.
     """
     for _ in range(30):
-        per_rank = calls_per_rank(ray.timeline())
+        per_rank = {method: ranks for method, ranks in calls_per_rank(ray.timeline()).items() if method in STEP_METHODS}
         counts = [len(calls) for ranks in per_rank.values() for calls in ranks.values()]
-        if counts and min(counts) >= expected_calls:
+        if counts and min(counts) >= steps:
             break
         time.sleep(1)
-    else:
-        sys.exit(f"Ray's timeline holds {min(counts, default=0)} calls of some worker method, fewer than {expected_calls}")
+    if not counts or min(counts) <= warmup:
+        sys.exit(f"Ray's timeline holds {min(counts, default=0)} calls of some worker method, none after the warm-up")
+    if min(counts) < steps:
+        print(f"Ray's timeline kept {min(counts)} of {steps} calls of some worker method; worker compute is over those")
     return {
-        method: list(np.max([calls[:expected_calls] for calls in ranks.values()], axis=0))
-        for method, ranks in per_rank.items()
+        method: list(np.max([calls[: min(counts)] for calls in ranks.values()], axis=0)) for method, ranks in per_rank.items()
     }
 
 
@@ -99,9 +101,9 @@ def main():
     step_time = np.mean([r["timing/step"] for r in measured])
     phases = [k for k in measured[0] if k.startswith("timing/") and k not in ("timing/step", "timing/validate")]
 
-    calls = worker_compute_per_call(options.steps)
-    worker_seconds = sum(sum(calls[m][options.warmup : options.steps]) for m in STEP_METHODS if m in calls)
-    worker_share = worker_seconds / sum(r["timing/step"] for r in measured)
+    calls = worker_compute_per_call(options.steps, options.warmup)
+    # each of these methods runs once a step
+    worker_share = sum(np.mean(calls[m][options.warmup : options.steps]) for m in STEP_METHODS if m in calls) / step_time
 
     config = json.loads((run_dir / "config.json").read_text())
     print(
