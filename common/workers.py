@@ -294,7 +294,8 @@ class FSDPWorker:
 
     def _build_optimizer(self, lr: float, weight_decay: float, warmup_steps: int, decay_steps: int) -> None:
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+        # foreach: one call per step for all parameters; on the CPU torch would loop over them, each op a DTensor's
+        self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, warmup_steps, decay_steps)
         )
@@ -454,13 +455,16 @@ def _lora(model, rank: int, alpha: int, target_modules: str, task_type: str, mod
 
 def pack_rows(lengths: list[int], width: int) -> tuple[list[int], list[int]]:
     """The row and the offset of each sequence in rows of `width` tokens (first-fit decreasing bin packing)."""
-    row_of, offset_of, used = [0] * len(lengths), [0] * len(lengths), []
+    row_of, offset_of, rows, open_rows, shortest = [0] * len(lengths), [0] * len(lengths), 0, [], min(lengths)
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        row = next((r for r, tokens in enumerate(used) if tokens + lengths[i] <= width), len(used))
-        if row == len(used):
-            used.append(0)
-        row_of[i], offset_of[i] = row, used[row]
-        used[row] += lengths[i]
+        row = next((row for row in open_rows if row[1] + lengths[i] <= width), None)
+        if row is None:
+            row, rows = [rows, 0], rows + 1
+            open_rows.append(row)
+        row_of[i], offset_of[i] = row
+        row[1] += lengths[i]
+        if width - row[1] < shortest:  # no sequence fits in what is left: stop looking at this row
+            open_rows.remove(row)
     return row_of, offset_of
 
 
@@ -657,6 +661,8 @@ class PolicyWorker(FSDPWorker):
 class CriticWorker(FSDPWorker):
     """A value model: the policy's architecture with a scalar head over every token (see FSDPWorker.setup)."""
 
+    language_model = False
+
     def _from_pretrained(self, model_path: str, **kwargs):
         from transformers import AutoModelForTokenClassification
 
@@ -665,8 +671,6 @@ class CriticWorker(FSDPWorker):
     def _add_lora(self, model):
         # The value head is new: it trains in full beside the adapter.
         return _lora(model, *self.lora_settings, "TOKEN_CLS", modules_to_save=["score"])
-
-    language_model = False
 
     def _forward(self, micro: DataProto) -> torch.Tensor:
         """The value of the state before each response token, 0 on padding."""
