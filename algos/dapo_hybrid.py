@@ -204,7 +204,7 @@ if __name__ == "__main__":
     args = tyro.cli(Args)
     if args.model_path is None:
         demo_settings = dict(lr=5e-4, train_batch_size=32, mini_batch_size=8, total_steps=150, overlong_buffer_length=1)
-        args = demo.apply(Args, **demo_settings, gen_batch_size=96, max_gen_batches=30)
+        args = demo.apply(Args, args, **demo_settings, gen_batch_size=96, max_gen_batches=30)
     if args.n < 2 and not args.single_sample_groups:
         raise ValueError(
             f"--n {args.n}: the advantage compares each response with the others sampled for its prompt, so a group "
@@ -240,7 +240,7 @@ if __name__ == "__main__":
                 )
             with timer("generate", metrics):
                 round_batch = run.next_prompts().repeat(args.n, interleave=True)
-                round_batch |= policy.scatter("generate", round_batch.select("prompts", "prompt_mask"), **run.sampling)
+                round_batch |= run.generate(round_batch)
             with timer("reward", metrics):
                 round_batch["score"] = run.score(round_batch, metrics)
                 lengths = round_batch["response_mask"].sum(-1)

@@ -156,7 +156,7 @@ if __name__ == "__main__":
 
     args = tyro.cli(Args)
     if args.model_path is None:
-        args = demo.apply(Args, lr=3e-4, train_batch_size=64, mini_batch_size=16, total_steps=400)
+        args = demo.apply(Args, args, lr=3e-4, train_batch_size=64, mini_batch_size=16, total_steps=400)
     if args.n < 2 and not args.single_sample_groups:
         raise ValueError(
             f"--n {args.n}: the advantage compares each response with the others sampled for its prompt, so a group "
@@ -177,7 +177,7 @@ if __name__ == "__main__":
         # 1. Rollout: n samples of every prompt; a prompt's samples share its uid (the group).
         with timer("generate", metrics):
             batch = run.next_prompts().repeat(args.n, interleave=True)
-            batch |= policy.scatter("generate", batch.select("prompts", "prompt_mask"), **run.sampling)
+            batch |= run.generate(batch)
 
         # 2. Outcome reward: one score per response.
         with timer("reward", metrics):

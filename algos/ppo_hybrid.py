@@ -68,16 +68,20 @@ def compute_gae(token_rewards: torch.Tensor, values: torch.Tensor, response_mask
     """Generalised advantage estimation over response tokens; returns (advantages, returns).
 
     A response ends at its last valid token: what follows holds no value and no
-    reward. Returns are advantages + values before the advantages are whitened.
+    reward. Tokens outside the mask (an environment's, in a multi-turn episode)
+    are skipped: the model's token before them is followed by its token after.
+    Returns are advantages + values before the advantages are whitened.
     """
     values, token_rewards = values * response_mask, token_rewards * response_mask
     advantages = torch.zeros_like(values)
-    next_advantage = torch.zeros_like(values[:, 0])
+    next_value, next_advantage = torch.zeros_like(values[:, 0]), torch.zeros_like(values[:, 0])
     for t in reversed(range(values.shape[1])):
-        next_value = values[:, t + 1] if t + 1 < values.shape[1] else torch.zeros_like(values[:, 0])
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]
-        next_advantage = delta + gamma * lam * next_advantage
-        advantages[:, t] = next_advantage
+        advantage = delta + gamma * lam * next_advantage
+        valid = response_mask[:, t].bool()
+        advantages[:, t] = torch.where(valid, advantage, 0.0)
+        next_value = torch.where(valid, values[:, t], next_value)
+        next_advantage = torch.where(valid, advantage, next_advantage)
     returns = (advantages + values) * response_mask
     return masked_whiten(advantages, response_mask) * response_mask, returns
 
@@ -98,9 +102,10 @@ def update_kl_coef(kl_coef: float, current_kl: float, target_kl: float, n_steps:
 
 
 def kl_penalised_rewards(scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
-    """Token rewards: -kl_coef x KL at every response token, plus the score at the last one."""
+    """Token rewards: -kl_coef x KL at every response token, plus the score at the last one (the model's last token:
+    in a multi-turn episode the mask leaves the environment's tokens out)."""
     token_rewards = -kl_coef * kl * response_mask
-    last = response_mask.sum(-1).long().clamp(min=1) - 1
+    last = (response_mask * torch.arange(1, response_mask.shape[1] + 1)).argmax(-1)
     token_rewards[torch.arange(len(scores)), last] += scores
     return token_rewards
 
@@ -225,7 +230,7 @@ if __name__ == "__main__":
 
     args = tyro.cli(Args)
     if args.model_path is None:
-        args = demo.apply(Args, lr=3e-4, train_batch_size=64, mini_batch_size=16, total_steps=400, critic_lr=1e-3)
+        args = demo.apply(Args, args, lr=3e-4, train_batch_size=64, mini_batch_size=16, total_steps=400, critic_lr=1e-3)
     # The critic shares each accelerator with the policy: two worker groups per accelerator.
     run = Run("ppo", args, worker_groups=2)
     policy = run.policy(use_reference=args.kl_coef > 0)
@@ -245,7 +250,7 @@ if __name__ == "__main__":
         # 1. Rollout: n samples of every prompt.
         with timer("generate", metrics):
             batch = run.next_prompts().repeat(args.n, interleave=True)
-            batch |= policy.scatter("generate", batch.select("prompts", "prompt_mask"), **run.sampling)
+            batch |= run.generate(batch)
 
         # 2. Outcome reward: one score per response.
         with timer("reward", metrics):

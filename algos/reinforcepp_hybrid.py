@@ -51,12 +51,14 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -
 
 
 def compute_returns(token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """Reward-to-go: the discounted sum of the token rewards from each response token to the response's end."""
+    """Reward-to-go: the discounted sum of the token rewards from each response token to the response's end, over the
+    model's tokens only (an environment's, in a multi-turn episode, neither earn nor discount)."""
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros_like(token_rewards[:, 0])
     for t in reversed(range(token_rewards.shape[1])):
-        running = (token_rewards[:, t] + gamma * running) * response_mask[:, t]
-        returns[:, t] = running
+        valid = response_mask[:, t].bool()
+        running = torch.where(valid, token_rewards[:, t] + gamma * running, running)
+        returns[:, t] = running * valid
     return returns
 
 
@@ -77,9 +79,10 @@ def compute_reinforcepp_baseline_advantages(token_rewards: torch.Tensor, respons
 
 
 def kl_penalised_rewards(scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
-    """Token rewards: -kl_coef x KL at every response token, plus the score at the last one."""
+    """Token rewards: -kl_coef x KL at every response token, plus the score at the last one (the model's last token:
+    in a multi-turn episode the mask leaves the environment's tokens out)."""
     token_rewards = -kl_coef * kl * response_mask
-    last = response_mask.sum(-1).long().clamp(min=1) - 1
+    last = (response_mask * torch.arange(1, response_mask.shape[1] + 1)).argmax(-1)
     token_rewards[torch.arange(len(scores)), last] += scores
     return token_rewards
 
@@ -189,7 +192,7 @@ if __name__ == "__main__":
 
     args = tyro.cli(Args)
     if args.model_path is None:
-        args = demo.apply(Args, lr=3e-4, train_batch_size=64, mini_batch_size=16, total_steps=400)
+        args = demo.apply(Args, args, lr=3e-4, train_batch_size=64, mini_batch_size=16, total_steps=400)
     if args.baseline and args.n < 2:
         raise ValueError(
             f"--baseline with --n {args.n}: the baseline is the mean over a prompt's samples; sample --n 2 or more"
@@ -207,7 +210,7 @@ if __name__ == "__main__":
         # 1. Rollout: n samples of every prompt; a prompt's samples share its uid (the group of --baseline).
         with timer("generate", metrics):
             batch = run.next_prompts().repeat(args.n, interleave=True)
-            batch |= policy.scatter("generate", batch.select("prompts", "prompt_mask"), **run.sampling)
+            batch |= run.generate(batch)
 
         # 2. Outcome reward: one score per response.
         with timer("reward", metrics):

@@ -1,10 +1,13 @@
-"""The built-in demo: a tiny model, an addition task, and a short supervised warm start.
+"""The built-in demos: a tiny model, a task, and a short supervised warm start.
 
 A randomly initialised model rewarded with 0/1 collapses onto its most common
-answer; a brief supervised warm start on half of the problems gives RL
+answer; a brief supervised warm start on some of the problems gives RL
 something to improve. RL then trains on every problem and is judged on the
-half the warm start never saw. Everything is cached on disk under
-$HYBRIDRL_CACHE (default ~/.cache/hybridrl), so a second run starts at once.
+ones the warm start never saw. The tasks: single-digit addition, and with
+`--env calculator` two-digit multiplication, which the tiny model cannot do
+alone but can with the calculator tool (common/envs.py). Everything is cached
+on disk under $HYBRIDRL_CACHE (default ~/.cache/hybridrl), so a second run
+starts at once.
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ from pathlib import Path
 import torch
 
 CACHE_VERSION = "demo-v2"
+CALCULATOR_CACHE_VERSION = "calculator-v1"
 DEMO_SEED = 0
 WARM_START_STEPS = 150
 WARM_START_LR = 3e-3
+CALCULATOR_WARM_PROBLEMS = 200
+CALCULATOR_WARM_START_STEPS = 50
 
 
 def addition_problems() -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -65,24 +71,43 @@ def build_tiny_model(path: str) -> None:
     tokenizer.save_pretrained(path)
 
 
-def warm_start(path: str, problems: list[tuple[int, int]]) -> None:
-    """Supervised fine-tuning on `problems`, full batch, in this process."""
+def multiplication_problems() -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Products of two two-digit numbers that have four digits (the tiny model copies a fixed-length answer far more
+    easily): (warm-start problems, held-out problems), 200 of each."""
+    problems = [(a, b) for a in range(32, 100) for b in range(32, 100)]
+    random.Random(DEMO_SEED).shuffle(problems)
+    return problems[:CALCULATOR_WARM_PROBLEMS], problems[CALCULATOR_WARM_PROBLEMS : 2 * CALCULATOR_WARM_PROBLEMS]
+
+
+def calculator_transcript(a: int, b: int) -> list[tuple[str, bool]]:
+    """An episode that uses the calculator well, as (text, written by the model) pieces after the prompt."""
+    return [(f"[{a}*{b}]", True), (f"{a * b};", False), (str(a * b), True)]
+
+
+def warm_start(path: str, examples: list[tuple[str, list[tuple[str, bool]]]], steps: int) -> None:
+    """Supervised fine-tuning on (prompt, pieces) examples, full batch, in this process: the loss covers the pieces
+    the model writes, each followed by EOS when it is the last."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(DEMO_SEED)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
-    prompts = [tokenizer(f"{a}+{b}=")["input_ids"] for a, b in problems]
-    answers = [tokenizer(str(a + b))["input_ids"] + [tokenizer.eos_token_id] for a, b in problems]
-    longest = max(len(p) + len(a) for p, a in zip(prompts, answers))
-    input_ids = torch.full((len(problems), longest), tokenizer.pad_token_id)
-    labels = torch.full((len(problems), longest), -100)
-    for i, (prompt, answer) in enumerate(zip(prompts, answers)):
-        sequence = prompt + answer
-        input_ids[i, : len(sequence)] = torch.tensor(sequence)
-        labels[i, len(prompt) : len(sequence)] = torch.tensor(answer)
+    sequences = []
+    for prompt, pieces in examples:
+        ids = tokenizer(prompt)["input_ids"]
+        labels = [-100] * len(ids)
+        for text, written in pieces:
+            piece = tokenizer(text)["input_ids"]
+            ids, labels = ids + piece, labels + (piece if written else [-100] * len(piece))
+        sequences.append((ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]))
+    longest = max(len(ids) for ids, _ in sequences)
+    input_ids = torch.full((len(sequences), longest), tokenizer.pad_token_id)
+    labels = torch.full((len(sequences), longest), -100)
+    for i, (ids, targets) in enumerate(sequences):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, : len(ids)] = torch.tensor(targets)
     optimizer = torch.optim.AdamW(model.parameters(), lr=WARM_START_LR)
-    for _ in range(WARM_START_STEPS):
+    for _ in range(steps):
         loss = model(
             input_ids=input_ids, attention_mask=(labels != -100) | (input_ids != tokenizer.pad_token_id), labels=labels
         ).loss
@@ -92,15 +117,15 @@ def warm_start(path: str, problems: list[tuple[int, int]]) -> None:
     model.save_pretrained(path)
 
 
-def write_task(path: Path, problems: list[tuple[int, int]]) -> None:
+def write_task(path: Path, problems: list[tuple[int, int]], operator: str = "+") -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     rows = [
         {
-            "prompt": [{"role": "user", "content": f"{a}+{b}="}],
-            "data_source": "addition",
-            "reward_model": {"ground_truth": str(a + b)},
+            "prompt": [{"role": "user", "content": f"{a}{operator}{b}="}],
+            "data_source": "addition" if operator == "+" else "multiplication",
+            "reward_model": {"ground_truth": str(a + b if operator == "+" else a * b)},
             "extra_info": {"a": a, "b": b},
         }
         for a, b in problems
@@ -108,19 +133,33 @@ def write_task(path: Path, problems: list[tuple[int, int]]) -> None:
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
-def prepare() -> tuple[str, str, str]:
-    """Build (or reuse) the warm-started model and the task files: (model, train file, val file)."""
+def build_addition(folder: Path) -> None:
+    warm, held_out = addition_problems()
+    build_tiny_model(str(folder / "model"))
+    warm_start(str(folder / "model"), [(f"{a}+{b}=", [(str(a + b), True)]) for a, b in warm], WARM_START_STEPS)
+    write_task(folder / "train.parquet", warm + held_out)
+    write_task(folder / "val.parquet", held_out)
+
+
+def build_calculator(folder: Path) -> None:
+    warm, held_out = multiplication_problems()
+    build_tiny_model(str(folder / "model"))
+    examples = [(f"{a}*{b}=", calculator_transcript(a, b)) for a, b in warm]
+    warm_start(str(folder / "model"), examples, CALCULATOR_WARM_START_STEPS)
+    write_task(folder / "train.parquet", warm + held_out, "*")
+    write_task(folder / "val.parquet", held_out, "*")
+
+
+def prepare(task: str = "addition") -> tuple[str, str, str]:
+    """Build (or reuse) the warm-started model and the files of `task` ("addition" or "calculator"):
+    (model, train file, val file)."""
     root = Path(os.environ.get("HYBRIDRL_CACHE", Path.home() / ".cache" / "hybridrl"))
-    ready = root / CACHE_VERSION
+    ready = root / (CACHE_VERSION if task == "addition" else CALCULATOR_CACHE_VERSION)
     if not (ready / "model" / "config.json").exists():
         root.mkdir(parents=True, exist_ok=True)
         # Built in a scratch folder and renamed when whole, so a crash never leaves a half cache.
         scratch = Path(tempfile.mkdtemp(dir=root))
-        warm, held_out = addition_problems()
-        build_tiny_model(str(scratch / "model"))
-        warm_start(str(scratch / "model"), warm)
-        write_task(scratch / "train.parquet", warm + held_out)
-        write_task(scratch / "val.parquet", held_out)
+        (build_addition if task == "addition" else build_calculator)(scratch)
         try:
             os.rename(scratch, ready)
         except OSError:  # another process finished first
@@ -128,8 +167,9 @@ def prepare() -> tuple[str, str, str]:
     return str(ready / "model"), str(ready / "train.parquet"), str(ready / "val.parquet")
 
 
-def apply(args_cls, **settings):
-    """Parse the command line again, with the demo's model and data, the task's lengths and `settings` as defaults.
+def apply(args_cls, args, **settings):
+    """Parse the command line again, with the demo's model and data, the task's lengths and `settings` as defaults:
+    the addition task, or with `--env calculator` the multiplication task with the calculator tool.
 
     Flags the user wrote still win; only the defaults change.
     """
@@ -137,12 +177,18 @@ def apply(args_cls, **settings):
 
     from common.rollout import check_torchvision
 
+    if args.env not in (None, "calculator"):
+        raise ValueError(f"--env {args.env} needs --model-path and --train-files: only --env calculator has a built-in demo")
     check_torchvision()  # building the model imports transformers' models
-    model_path, train_file, val_file = prepare()
-    print(f"built-in demo: tiny model at {model_path}, addition task; demo defaults {settings}")
+    model_path, train_file, val_file = prepare("addition" if args.env is None else "calculator")
+    print(f"built-in demo: tiny model at {model_path}, {args.env or 'addition'} task; demo defaults {settings}")
     # Prompts like "7+8=" and answers like "15" plus EOS: every micro-batch fits in one forward. At the demo's
     # learning rates a tiny model's held-out accuracy swings by several points from one validation to the next
-    # near the end; a learning rate that decays to 0 lets it settle.
+    # near the end; a learning rate that decays to 0 lets it settle. With the calculator, an episode like
+    # "[37*48]" "1776;" "1776" plus EOS.
     task = dict(max_prompt_length=8, max_response_length=4, micro_batch_size=256, lr_schedule="cosine")
+    if args.env == "calculator":
+        task |= dict(max_response_length=20, max_turns=3)
+        settings |= dict(total_steps=100)  # it learns the tool within 25 steps
     demo_defaults = args_cls(model_path=model_path, train_files=[train_file], val_files=[val_file], **(task | settings))
     return tyro.cli(args_cls, default=demo_defaults)

@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def addition_reward(solution_str: str, ground_truth: str) -> float:
-    """The built-in demo task: the response is exactly the sum."""
+def exact_answer_reward(solution_str: str, ground_truth: str) -> float:
+    """The built-in demo tasks: the response is exactly the answer."""
     return float(solution_str.strip() == str(ground_truth))
 
 
@@ -71,7 +71,8 @@ def math_reward(solution_str: str, ground_truth: str) -> float:
 
 
 BUILTIN_REWARDS = {
-    "addition": addition_reward,
+    "addition": exact_answer_reward,
+    "multiplication": exact_answer_reward,
     "gsm8k": gsm8k_reward,
     "openai/gsm8k": gsm8k_reward,
     "math": math_reward,
@@ -154,10 +155,11 @@ def call_reward(reward_fn, data_source, solution_str, ground_truth, extra_info) 
 
 class InProcessRewards:
     """Scores responses one after another in this process, so that breakpoint() in a reward stops in the terminal;
-    a call past `timeout` seconds is interrupted (see time_limit)."""
+    a call past `timeout` seconds is interrupted (see time_limit). With `call` common.envs.call_env and an
+    environment's class as `reward_fn`, it plays environments' turns instead."""
 
-    def __init__(self, reward_fn, timeout: float | None = None):
-        self.reward_fn, self.timeout = reward_fn, timeout
+    def __init__(self, reward_fn, timeout: float | None = None, call=call_reward):
+        self.reward_fn, self.timeout, self.call = reward_fn, timeout, call
 
     def __call__(self, samples: list[tuple]) -> list[tuple]:
         return [self._call(sample) for sample in samples]
@@ -165,7 +167,7 @@ class InProcessRewards:
     def _call(self, sample: tuple) -> tuple:
         try:
             with time_limit(self.timeout):
-                return call_reward(self.reward_fn, *sample)
+                return self.call(self.reward_fn, *sample)
         except RewardTimeout:
             return ("timeout",)
 
@@ -194,8 +196,9 @@ class RewardProcess:
 
 class RewardProcesses:
     """`size` processes that each load the reward `spec` (as --reward-fn names it) and score responses one at a time,
-    all at once. Nothing a reward does reaches the run: a call past `timeout` seconds is killed, even inside a C call,
-    and a process that dies (a segfault, os._exit) is replaced; either way only that call's sample fails. A process
+    all at once; of `kind` "env", processes that load the environment `spec` (as --env names it) and play its turns
+    (common.envs.call_env). Nothing a reward does reaches the run: a call past `timeout` seconds is killed, even inside
+    a C call, and a process that dies (a segfault, os._exit) is replaced; either way only that call's sample fails. A process
     is also replaced, between batches, after RECYCLE_AFTER samples, so that a reward that leaks memory stays bounded.
 
     A process is sent a share of the batch at once and answers with all its scores: a message each way per sample
@@ -207,8 +210,8 @@ class RewardProcesses:
     RECYCLE_AFTER = 10_000
     SHARES_PER_PROCESS = 4  # per batch: small enough that the processes finish together
 
-    def __init__(self, spec: str | None, size: int, timeout: float | None = None):
-        self.spec, self.timeout = spec, timeout or math.inf
+    def __init__(self, spec: str | None, size: int, timeout: float | None = None, kind: str = "reward"):
+        self.spec, self.timeout, self.kind = spec, timeout or math.inf, kind
         self.processes = [self._start() for _ in range(size)]
         atexit.register(self.close)
 
@@ -220,7 +223,7 @@ class RewardProcesses:
             # Its own session: Ctrl-C in the terminal stops the run between steps, not a reward mid-call, and a kill
             # takes whatever the reward started with it.
             process = subprocess.Popen(
-                [sys.executable, "-m", "common.rewards", str(theirs.fileno()), str(file.fileno()), self.spec or ""],
+                [sys.executable, "-m", "common.rewards", str(theirs.fileno()), str(file.fileno()), self.spec or "", self.kind],
                 pass_fds=[theirs.fileno(), file.fileno()],
                 stdin=subprocess.DEVNULL,
                 env=os.environ | {"PYTHONPATH": os.pathsep.join([PROJECT_ROOT, os.environ.get("PYTHONPATH", "")])},
@@ -287,9 +290,9 @@ class RewardProcesses:
         except (EOFError, OSError):
             code = worker.process.wait()
             if not worker.sent:
-                raise RewardError(f"a reward process exited with code {code} while loading --reward-fn {self.spec}")
+                raise RewardError(f"a {self.kind} process exited with code {code} while loading {self._flag()} {self.spec}")
             death = (
-                f"the reward process died with exit code {code} while scoring this sample (a crash in C code, a "
+                f"the {self.kind} process died with exit code {code} during this call (a crash in C code, a "
                 "signal, os._exit or the out-of-memory killer); a new process took its place\n"
             )
             outcomes[self._replace(slot, todo)] = ("error", "ProcessDied", death)
@@ -297,12 +300,15 @@ class RewardProcesses:
         if message == "ready":
             worker.ready = True
         elif isinstance(message, str):
-            raise RewardError(f"--reward-fn {self.spec}: loading it in a reward process failed:\n{message}")
+            raise RewardError(f"{self._flag()} {self.spec}: loading it in a {self.kind} process failed:\n{message}")
         else:
             for i, outcome in zip(worker.sent, message):
                 outcomes[i] = outcome
             worker.scored += len(worker.sent)
             worker.sent = []
+
+    def _flag(self) -> str:
+        return "--reward-fn" if self.kind == "reward" else "--env"
 
     def close(self) -> None:
         for worker in self.processes:
@@ -310,12 +316,15 @@ class RewardProcesses:
         self.processes = []
 
 
-def serve(fd: int, current_call_fd: int, spec: str) -> None:
-    """A reward process: load the reward, then score each share of samples that arrives on the socket `fd` and
-    answer with its outcomes, until the socket closes."""
+def serve(fd: int, current_call_fd: int, spec: str, kind: str) -> None:
+    """A reward process: load the reward (or the environment), then make the calls of each share of samples that
+    arrives on the socket `fd` and answer with their outcomes, until the socket closes."""
+    from common.envs import call_env, load_env
+
     connection, current_call = Connection(fd), mmap.mmap(current_call_fd, CURRENT_CALL.size)
+    call = call_reward if kind == "reward" else call_env
     try:
-        reward_fn = load_reward_fn(spec or None)
+        reward_fn = load_reward_fn(spec or None) if kind == "reward" else load_env(spec)
     except BaseException:
         connection.send(traceback.format_exc())
         return
@@ -328,7 +337,7 @@ def serve(fd: int, current_call_fd: int, spec: str) -> None:
         outcomes = []
         for index, sample in share:
             write_current_call(current_call, index, time.monotonic())
-            outcomes.append(call_reward(reward_fn, *sample))
+            outcomes.append(call(reward_fn, *sample))
         try:
             connection.send(outcomes)
         except Exception:  # keys beside a score that cannot be pickled: that sample fails
@@ -347,9 +356,15 @@ def score(batch: DataProto, tokenizer, rewards, max_error_share: float = 1.0) ->
     """One scalar score per response of `batch` (see score_texts)."""
     import torch  # here, not above: the reward processes import this module and need no torch
 
-    texts = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
-    scores, metrics, extras = score_texts(texts, batch, rewards, max_error_share)
+    scores, metrics, extras = score_texts(response_texts(batch, tokenizer), batch, rewards, max_error_share)
     return torch.tensor(scores, dtype=torch.float32), metrics, extras
+
+
+def response_texts(batch: DataProto, tokenizer) -> list[str]:
+    """What a reward scores: each response's text; of a multi-turn episode, its last turn."""
+    if "final_turn" in batch:
+        return list(batch["final_turn"])
+    return tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
 
 
 def score_value(result) -> float:
@@ -375,9 +390,15 @@ def score_texts(texts: list[str], batch: DataProto, rewards, max_error_share: fl
     crashes its process), returns anything but a finite number, or runs past the timeout scores 0 for that sample,
     which is counted. The first failure of each kind is printed with its traceback and sample. When more than
     `max_error_share` of the samples fail, RewardError stops the run before any update uses these scores.
+    Episodes whose environment gave a score (`episode_score`) keep it and call no reward.
     """
     samples = list(zip(*(batch[k] for k in ("data_source", "ground_truth", "extra_info"))))
-    outcomes = rewards([(source, text, truth, extra) for text, (source, truth, extra) in zip(texts, samples)])
+    given = batch["episode_score"] if "episode_score" in batch else [None] * len(texts)
+    unscored = [i for i, value in enumerate(given) if value is None]
+    outcomes = [("ok", value, {}) for value in given]
+    calls = rewards([(samples[i][0], texts[i], *samples[i][1:]) for i in unscored]) if unscored else []
+    for i, outcome in zip(unscored, calls):
+        outcomes[i] = outcome
     scores, extras, errors, timeouts, first_failure = [], [], 0, 0, None
     for text, (source, truth, _), outcome in zip(texts, samples, outcomes):
         scores.append(outcome[1] if outcome[0] == "ok" else 0.0)
@@ -411,10 +432,9 @@ def extra_means(extras, prefix: str) -> dict[str, float]:
     return {f"{prefix}{key}": fmean(v) for key, v in values.items()}
 
 
-def validate(
-    policy, val_loader, tokenizer, rewards, sampling: dict, n: int = 1, max_error_share: float = 1.0
-) -> tuple[dict, list[dict]]:
-    """Accuracy (mean score) over the validation set, overall and per data source, and every completion.
+def validate(generate, val_loader, tokenizer, rewards, n: int = 1, max_error_share: float = 1.0) -> tuple[dict, list[dict]]:
+    """Accuracy (mean score) over the validation set, overall and per data source, and every completion, generated by
+    `generate(batch, do_sample)` (Run.generate).
 
     With n == 1 decoding is greedy; with n > 1 each prompt gets n samples and
     mean@n (the mean score) and pass@n (the share of prompts with a sample
@@ -424,9 +444,9 @@ def validate(
     reward_metrics = defaultdict(int)
     for batch in val_loader:
         batch = batch.repeat(n, interleave=True)
-        batch |= policy.scatter("generate", batch.select("prompts", "prompt_mask"), **sampling, do_sample=n > 1)
+        batch |= generate(batch, do_sample=n > 1)
         responses = tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
-        scores, metrics, extras = score_texts(responses, batch, rewards, max_error_share)
+        scores, metrics, extras = score_texts(response_texts(batch, tokenizer), batch, rewards, max_error_share)
         all_extras += extras
         for key, value in metrics.items():
             reward_metrics[key] += value
@@ -450,4 +470,4 @@ def validate(
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    serve(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

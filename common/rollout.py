@@ -78,6 +78,18 @@ def check_torchvision() -> None:
             ) from error
 
 
+def eos_token_ids(model_path: str, tokenizer) -> list[int]:
+    """The tokens that end a response: those of the model's generation config, else the tokenizer's EOS."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json: transformers derives one from the model's config
+        eos = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_path)).eos_token_id
+    eos = tokenizer.eos_token_id if eos is None else eos
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
 def write_adapter(path: str, tensors: dict[str, torch.Tensor], peft_config) -> None:
     """A PEFT adapter folder, as vLLM loads adapters: adapter_config.json and adapter_model.safetensors."""
     from safetensors.torch import save_file
@@ -126,10 +138,10 @@ def reload_weights(worker, weights) -> list[str]:
 class HFRollout:
     """transformers' generate on the training policy itself, every FSDP unit gathered once for the call."""
 
-    def __init__(self, policy, eos_token_ids: list[int], pad_token_id: int):
-        self.policy, self.eos_token_ids, self.pad_token_id = policy, eos_token_ids, pad_token_id
+    def __init__(self, policy, tokenizer, eos_token_ids: list[int], pad_token_id: int):
+        self.policy, self.tokenizer, self.eos_token_ids, self.pad_token_id = policy, tokenizer, eos_token_ids, pad_token_id
 
-    def generate(self, prompts, prompt_mask, max_response_length, do_sample, temperature, top_p, top_k):
+    def generate(self, prompts, prompt_mask, max_response_length, do_sample, temperature, top_p, top_k, stop_strings=None):
         """[batch, steps] response tokens and their log-probs under the distribution they were sampled from."""
         from transformers import GenerationConfig, LogitsProcessorList
 
@@ -138,7 +150,11 @@ class HFRollout:
             dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if do_sample else dict(do_sample=False)
         )
         config = GenerationConfig(
-            max_new_tokens=max_response_length, eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id, **sampling
+            max_new_tokens=max_response_length,
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            stop_strings=stop_strings or None,
+            **sampling,
         )
         recorder = SampledLogProbs(temperature if do_sample else 1.0)
         with unsharded(self.policy):
@@ -147,6 +163,7 @@ class HFRollout:
                 attention_mask=prompt_mask,
                 generation_config=config,
                 logits_processor=LogitsProcessorList([recorder]),
+                tokenizer=self.tokenizer,  # what stop strings are matched with
             )
         responses = output[:, prompts.shape[1] :]
         return responses, recorder.log_probs(responses)
@@ -262,7 +279,7 @@ class VLLMRollout:
         self.lora_request = None
         self._sleep()
 
-    def generate(self, prompts, prompt_mask, max_response_length, do_sample, temperature, top_p, top_k):
+    def generate(self, prompts, prompt_mask, max_response_length, do_sample, temperature, top_p, top_k, stop_strings=None):
         """[batch, steps] response tokens and their log-probs, from an engine woken with the policy's current weights."""
         if self.on_gpu:
             self.llm.wake_up(tags=["weights"])
@@ -273,7 +290,8 @@ class VLLMRollout:
             self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         token_lists = [row[mask.bool()].tolist() for row, mask in zip(prompts, prompt_mask)]
-        tokens, log_probs = self._generate(token_lists, max_response_length, do_sample, temperature, top_p, top_k)
+        sampling = dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k, stop_strings=stop_strings)
+        tokens, log_probs = self._generate(token_lists, max_response_length, **sampling)
         self._sleep()
         if self.offload:
             move_policy(self.policy, self.optimizer, prompts.device)
@@ -320,13 +338,20 @@ class VLLMRollout:
             shutil.rmtree(self.lora_request.lora_path, ignore_errors=True)
         self.lora_request = request
 
-    def _generate(self, prompts: list[list[int]], max_tokens: int, do_sample, temperature, top_p, top_k):
-        """One response per prompt: (token ids, log-prob of each under the sampling distribution)."""
+    def _generate(self, prompts: list[list[int]], max_tokens: int, do_sample, temperature, top_p, top_k, stop_strings):
+        """One response per prompt: (token ids, log-prob of each under the sampling distribution); a response that
+        completes a stop string ends with the token that completed it."""
         from vllm import SamplingParams
 
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k) if do_sample else dict(temperature=0.0)
         params = SamplingParams(
-            n=1, max_tokens=max_tokens, stop_token_ids=self.eos_token_ids, logprobs=0, detokenize=False, **sampling
+            n=1,
+            max_tokens=max_tokens,
+            stop_token_ids=self.eos_token_ids,
+            stop=stop_strings or None,
+            detokenize=bool(stop_strings),  # vLLM matches stop strings in its own decoded text
+            logprobs=0,
+            **sampling,
         )
         outputs = self.llm.generate(
             [{"prompt_token_ids": prompt} for prompt in prompts], params, lora_request=self.lora_request, use_tqdm=False

@@ -62,7 +62,12 @@ class RunArgs:
     truncate_prompts: bool = False
     """keep the last --max-prompt-length tokens of a longer prompt instead of stopping"""
     max_response_length: int = flag(1024, positive=True)
-    """most tokens generated per response"""
+    """most tokens generated per response; with --env, most tokens of an episode (the model's and the environment's)"""
+    env: str | None = None
+    """multi-turn episodes: the environment that answers the model's turns, `path/to/file.py:ClassName` or a built-in
+    (calculator); its steps run isolated like rewards, under --reward-workers and --reward-timeout (see README)"""
+    max_turns: int = flag(4, positive=True)
+    """with --env: most model turns per episode"""
 
     num_workers: int = flag(2, positive=True)
     """policy processes, one per GPU (per CPU slot without GPUs)"""
@@ -127,7 +132,8 @@ class RunArgs:
     """processes that call the reward function, each on one response at a time, isolated from the run (default: one
     per CPU core, at most 16); 0 calls it in this process, one response after another (the default with --in-process)"""
     reward_timeout: float = flag(10.0, resumable=True)
-    """seconds a reward function may take for one response before it is stopped and scores 0 (0: no limit)"""
+    """seconds a reward function may take for one response (an environment for one step) before it is stopped and
+    scores 0 (0: no limit)"""
     max_reward_error_share: float = flag(0.5, resumable=True)
     """stop when the reward function fails for more than this share of a batch's responses (1: never)"""
     test_freq: int = flag(25, resumable=True, positive=True)
@@ -164,8 +170,9 @@ class Run:
 
         from common.checkpoint import check_config, find_checkpoint
         from common.data import PromptLoader, check_batch_sizes, load_prompts
+        from common.envs import call_env, load_env
         from common.rewards import InProcessRewards, RewardProcesses, check_data_sources, load_reward_fn
-        from common.rollout import check_rollout
+        from common.rollout import check_rollout, eos_token_ids
         from common.tracking import Tracker
 
         # Everything that can be wrong with the input fails here, before any worker starts.
@@ -187,10 +194,12 @@ class Run:
             raise ValueError(f"--reward-workers is {args.reward_workers}; use 0 to score in this process, or more")
         torch.manual_seed(args.seed)
         self.tokenizer = load_tokenizer(args.model_path)
+        self.eos_token_ids = eos_token_ids(args.model_path, self.tokenizer)
         if not args.train_files:
             raise ValueError("--train-files is missing: name the prompt files to train on (verl-style parquet or jsonl)")
         pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.reward_fn = load_reward_fn(args.reward_fn)
+        self.env_cls = load_env(args.env) if args.env else None
         train_data = load_prompts(args.train_files, self.tokenizer, args.max_prompt_length, args.truncate_prompts)
         check_data_sources(train_data, self.reward_fn)
         val_data = train_data
@@ -218,6 +227,11 @@ class Run:
             self.rewards = RewardProcesses(args.reward_fn, reward_workers, args.reward_timeout)
         else:
             self.rewards = InProcessRewards(self.reward_fn, args.reward_timeout)
+        self.env_calls = None
+        if args.env and reward_workers:
+            self.env_calls = RewardProcesses(args.env, reward_workers, args.reward_timeout, kind="env")
+        elif args.env:
+            self.env_calls = InProcessRewards(self.env_cls, args.reward_timeout, call=call_env)
         self.pool = None
         if not args.in_process:
             init_ray()
@@ -232,7 +246,6 @@ class Run:
         self.groups, self.train_batches = {}, self.train_loader.forever()
         self.start_step, self.first_val, self.last_val, self.bad_steps = 1, None, None, 0
         self.resumed, self.stop, self.step_start, self.postfix, self.last_step = False, None, 0.0, {}, 0
-        self.sampling = dict(max_response_length=args.max_response_length, top_p=args.top_p, top_k=args.top_k)
 
     def workers(self, worker_cls, name: str, **settings):
         """A group of `worker_cls` on the run's accelerators (or in this process), set up with the run's model
@@ -276,6 +289,28 @@ class Run:
         )
         return self.workers(PolicyWorker, "policy", **(rollout | settings))
 
+    def generate(self, batch, do_sample: bool = True):
+        """The policy's responses to `batch`'s prompts: one turn each, or with --env one episode each (see
+        common/envs.py), whose environment's tokens `response_mask` leaves out."""
+        from common.envs import run_episodes
+
+        args, policy, prompts = self.args, self.groups["policy"], batch.select("prompts", "prompt_mask")
+        sampling = dict(do_sample=do_sample, top_p=args.top_p, top_k=args.top_k)
+        if not args.env:
+            return policy.scatter("generate", prompts, max_response_length=args.max_response_length, **sampling)
+        stop_strings = list(getattr(self.env_cls, "stop_strings", []))
+        return run_episodes(
+            policy,
+            batch,
+            self.env_calls,
+            stop_strings,
+            self.tokenizer,
+            self.eos_token_ids,
+            args.max_turns,
+            args.max_response_length,
+            sampling,
+        )
+
     def next_prompts(self):
         """The next batch of prompts, reshuffled at every pass over the data."""
         return next(self.train_batches)
@@ -294,11 +329,10 @@ class Run:
         from common.rewards import validate
 
         self.last_val, samples = validate(
-            self.groups["policy"],
+            self.generate,
             self.val_loader,
             self.tokenizer,
             self.rewards,
-            self.sampling,
             self.args.val_n,
             self.args.max_reward_error_share,
         )
@@ -349,6 +383,7 @@ class Run:
         Stops the run after --max-bad-steps steps in a row whose updates a NaN or inf gradient skipped.
         """
         from common.checkpoint import save_checkpoint
+        from common.envs import episode_metrics
         from common.rewards import extra_means
         from common.tracking import timer
 
@@ -363,6 +398,8 @@ class Run:
             "timing/step": step_time,
             "perf/tokens_per_s": batch["attention_mask"].sum().item() / step_time,
         }
+        if "ending" in batch:
+            metrics |= episode_metrics(batch, "env/")
         # the reward's own keys beside its counts, which keep a name both use
         extras = extra_means(batch["reward_extra"] if "reward_extra" in batch else [], "reward/")
         metrics |= {key: value for key, value in extras.items() if key not in metrics}
@@ -402,6 +439,8 @@ class Run:
             print(f"the trained policy, as a Hugging Face model folder: {run_dir / 'model'}")
         self.tracker.close()
         self.rewards.close()
+        if self.env_calls is not None:
+            self.env_calls.close()
         for group in self.groups.values():
             group.shutdown()
         if self.pool is not None:

@@ -33,7 +33,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.dataproto import DataProto
-from common.rollout import HFRollout, VLLMRollout, response_batch
+from common.rollout import HFRollout, VLLMRollout, eos_token_ids, response_batch
 
 
 class WorkerDied(RuntimeError):
@@ -556,13 +556,13 @@ class PolicyWorker(FSDPWorker):
         self.reference = None
         if use_reference and not self.lora:
             self.reference = self._shard(self._load(model_path).requires_grad_(False).eval(), offload=True)
-        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_ids = eos_token_ids(model_path, self.tokenizer)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_ids[0]
         # FSDP2 initialises lazily on the root's first forward; generate needs that done.
         with torch.no_grad():
             self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device))
         if rollout_engine == "hf":
-            self.rollout = HFRollout(self.model, self.eos_token_ids, self.pad_token_id)
+            self.rollout = HFRollout(self.model, self.tokenizer, self.eos_token_ids, self.pad_token_id)
         else:
             self.rollout = VLLMRollout(
                 self.model,
@@ -582,18 +582,21 @@ class PolicyWorker(FSDPWorker):
                 offload=offload,
             )
 
-    def _eos_token_ids(self) -> list[int]:
-        config = getattr(self.model, "generation_config", None)
-        eos = config.eos_token_id if config is not None and config.eos_token_id is not None else self.tokenizer.eos_token_id
-        return list(eos) if isinstance(eos, (list, tuple)) else [eos]
-
     @torch.no_grad()
     def generate(
-        self, data: DataProto, max_response_length: int, do_sample: bool = True, top_p: float = 1.0, top_k: int = 0
+        self,
+        data: DataProto,
+        max_response_length: int,
+        do_sample: bool = True,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_strings: list[str] | None = None,
     ) -> DataProto:
-        """Sample (or greedily decode) one response per left-padded prompt; see rollout.response_batch for what returns."""
+        """Sample (or greedily decode) one response per left-padded prompt, each ending at EOS, at the token that
+        completes one of `stop_strings` (padded after it) or after `max_response_length` tokens; see
+        rollout.response_batch for what returns."""
         prompts, prompt_mask = data["prompts"].to(self.device), data["prompt_mask"].to(self.device)
-        sampling = dict(do_sample=do_sample, temperature=self.temperature, top_p=top_p, top_k=top_k)
+        sampling = dict(do_sample=do_sample, temperature=self.temperature, top_p=top_p, top_k=top_k, stop_strings=stop_strings)
         responses, log_probs = self.rollout.generate(prompts, prompt_mask, max_response_length, **sampling)
         return response_batch(
             prompts, prompt_mask, responses, log_probs, max_response_length, self.eos_token_ids, self.pad_token_id

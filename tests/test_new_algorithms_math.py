@@ -41,6 +41,14 @@ def test_returns_are_the_reward_to_go_within_each_response():
     assert compute_returns(rewards, mask, 0.5).tolist() == [[1.0, 2.0, 2.0, 0.0], [3.0, 0.0, 0.0, 0.0]]
 
 
+def test_returns_skip_the_environments_tokens_of_a_multi_turn_episode():
+    rewards = torch.tensor([[0.0, 1.0, 9.0, 9.0, 2.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 0.0]])  # model, model, env, env, model, padding
+    assert compute_returns(rewards, mask, 0.5).tolist() == [[1.0, 2.0, 0.0, 0.0, 2.0, 0.0]]
+    scored = kl_penalised_rewards(torch.tensor([3.0]), torch.zeros(1, 6), mask, 0.1)
+    assert scored.tolist() == [[0.0, 0.0, 0.0, 0.0, 3.0, 0.0]]
+
+
 def test_reinforcepp_advantages_are_returns_whitened_over_the_batch():
     scores, mask = torch.tensor([1.0, 0.0, 1.0]), torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     kl = torch.tensor([[0.1, -0.2, 0.3], [0.2, 0.1, 7.0], [0.4, 7.0, 7.0]])

@@ -80,3 +80,21 @@ def test_kl_penalised_rewards():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     rewards = kl_penalised_rewards(scores, kl, mask, 0.1)
     torch.testing.assert_close(rewards, torch.tensor([[-0.01, 0.98, 0.0], [-0.05, -0.05, -0.05]]))
+
+
+def test_gae_skips_the_environments_tokens_of_a_multi_turn_episode():
+    # model, model, env, env, model, padding: the model's tokens alone, laid end to end, give the same estimates
+    rewards, values = torch.tensor([[0.1, 0.0, 7.0, 7.0, 1.0, 5.0]]), torch.tensor([[0.5, 0.6, 9.0, 9.0, 0.7, 9.9]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 0.0]])
+    own = mask[0].bool()
+    episode_estimates = compute_gae(rewards.repeat(2, 1), values.repeat(2, 1), mask.repeat(2, 1), 0.9, 0.8)
+    model_only_estimates = compute_gae(rewards[:, own].repeat(2, 1), values[:, own].repeat(2, 1), torch.ones(2, 3), 0.9, 0.8)
+    for episode, model_only in zip(episode_estimates, model_only_estimates):  # advantages, then returns
+        torch.testing.assert_close(episode[:, own], model_only)
+        assert episode[:, ~own].abs().sum().item() == 0.0
+
+
+def test_the_score_goes_to_the_models_last_token_after_the_environments():
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0, 0.0, 0.0]])
+    rewards = kl_penalised_rewards(torch.tensor([2.0]), torch.zeros(1, 6), mask, 0.1)
+    assert rewards.tolist() == [[0.0, 0.0, 0.0, 2.0, 0.0, 0.0]]

@@ -136,6 +136,19 @@ def test_two_steps_with_two_workers(ray_cluster, demo_files, tmp_path, algo, fla
     assert json.loads((run_dir / "config.json").read_text())["lora_rank"] == (8 if "--lora-rank" in flags else 0)
 
 
+@pytest.mark.parametrize("algo, flags", [("grpo", []), ("ppo", VLLM_FP32)], ids=["grpo-hf", "ppo-vllm"])
+def test_multi_turn_episodes_with_the_calculator(ray_cluster, demo_files, tmp_path, algo, flags):
+    result = run_script(f"{algo}_hybrid.py", *SMALL_RUN, "--env", "calculator", *flags, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "calculator task" in result.stdout
+    _, rows = metrics_of(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows[1:]:
+        assert row["env/turns_mean"] > 1  # the warm start taught the model to call the tool before it answers
+        assert row["env/ended_error"] == row["env/ended_timeout"] == 0
+        assert row["rollout/logprob_diff_max"] < 1e-4 and "val/accuracy/multiplication" in row
+
+
 def test_in_process_trains_as_one_ray_worker_does(ray_cluster, demo_files, tmp_path):
     """--in-process: the worker runs inside the driver's process, so breakpoint() in a loss, a reward or a worker
     stops in the user's terminal. Two steps give the metrics that one Ray worker gives."""
@@ -208,6 +221,15 @@ def test_malformed_data_stops_before_any_worker(demo_files, tmp_path):
     result = run_script("grpo_hybrid.py", "--model-path", demo_files[0], "--train-files", str(bad), cwd=tmp_path)
     assert result.returncode != 0
     assert "bad.jsonl, row 0: field 'reward_model'" in result.stderr
+    assert "PolicyWorker" not in result.stderr
+
+
+def test_an_env_that_does_not_load_stops_before_any_worker(demo_files, tmp_path):
+    model, train, _ = demo_files
+    flags = ["--model-path", model, "--train-files", train, "--env", "nowhere.py:Env"]
+    result = run_script("grpo_hybrid.py", *flags, cwd=tmp_path)
+    assert result.returncode != 0
+    assert "--env 'nowhere.py:Env': no file nowhere.py" in result.stderr
     assert "PolicyWorker" not in result.stderr
 
 

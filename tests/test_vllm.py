@@ -17,9 +17,12 @@ import torch
 from ray import cloudpickle
 
 import grpo_hybrid
+from common.envs import call_env
+from common.rewards import InProcessRewards
 from common.rollout import rollout_logprob_gap
 from common.weight_sync import engine_weights
 from common.workers import WorkerGroup
+from test_envs import play, turns_of
 from test_scripts import SMALL_RUN, VLLM_FP32, metrics_of, run_script
 from test_workers import LOG_PROB_INPUTS, PolicyProbe
 
@@ -106,6 +109,36 @@ def test_engine_samples_aligned_responses_with_the_trainers_log_probs(policy, pr
     assert torch.all(batch["rollout_log_probs"][~mask.bool()] == 0)
     assert batch["rollout_log_probs"][mask.bool()].min() < -0.01  # sampled, not all certain
     assert gap(batch) < FP32_GAP
+
+
+class Countdown:
+    """Answers each turn with how many turns are left, and ends the episode after three."""
+
+    stop_strings = ["1"]
+
+    def step(self, text):
+        self.left = getattr(self, "left", 3) - 1
+        return f"{self.left};" if self.left else 0.5
+
+
+def test_engine_plays_multi_turn_episodes(policy, prompts, tokenizer):
+    env_calls = InProcessRewards(Countdown, call=call_env)
+    batch = play(
+        policy, prompts, env_calls, Countdown, tokenizer, [tokenizer.eos_token_id], max_turns=4, max_response_length=10
+    )
+    batch |= policy.scatter("compute_log_prob", batch.select(*LOG_PROB_INPUTS))
+    assert gap(batch) < FP32_GAP  # the model's tokens, in every turn, sampled from the policy's weights
+    own = batch["response_mask"].bool()
+    assert own.sum() < batch["attention_mask"][:, -10:].sum() and batch["rollout_log_probs"][~own].abs().sum() == 0
+    for i in range(len(batch)):
+        spans = turns_of(batch["response_mask"][i])
+        answers = [tokenizer.decode(batch["responses"][i][end:start]) for (_, end), (start, _) in zip(spans, spans[1:])]
+        assert answers == ["2;", "1;"][: len(spans) - 1]
+        for start, end in spans[:-1]:  # the engine stopped at EOS or at the token that wrote "1"
+            turn = batch["responses"][i][start:end].tolist()
+            assert turn[-1] == tokenizer.eos_token_id or tokenizer.decode(turn).index("1") == len(tokenizer.decode(turn)) - 1
+        ended_by_env = batch["ending"][i] == "by_env"
+        assert ended_by_env == (len(spans) == 3) and (batch["episode_score"][i] == 0.5) == ended_by_env
 
 
 def test_after_updates_the_engine_holds_the_new_weights_and_a_stale_one_is_caught(policy, prompts):

@@ -263,7 +263,11 @@ def test_validation_with_n_samples_reports_mean_and_pass_at_n(policy, demo_files
     data = load_prompts([demo_files[2]], tokenizer, max_prompt_length=8)[:6]
     loader = PromptLoader(data, 4, tokenizer.pad_token_id, shuffle=False, drop_last=False)
     sampling = dict(max_response_length=4, top_p=1.0, top_k=0)
-    metrics, samples = validate(policy, loader, tokenizer, InProcessRewards(default_reward), sampling, n=4)
+
+    def generate(batch, do_sample):
+        return policy.scatter("generate", batch.select("prompts", "prompt_mask"), **sampling, do_sample=do_sample)
+
+    metrics, samples = validate(generate, loader, tokenizer, InProcessRewards(default_reward), n=4)
     assert len(samples) == 6 * 4
     assert metrics["val/mean@4"] == metrics["val/accuracy"] == pytest.approx(np.mean([s["score"] for s in samples]))
     by_prompt = {}
@@ -271,7 +275,7 @@ def test_validation_with_n_samples_reports_mean_and_pass_at_n(policy, demo_files
         by_prompt[sample["prompt"]] = max(by_prompt.get(sample["prompt"], 0.0), sample["score"])
     assert metrics["val/pass@4"] == pytest.approx(np.mean(list(by_prompt.values())))
     assert metrics["val/pass@4"] >= metrics["val/mean@4"]
-    greedy, greedy_samples = validate(policy, loader, tokenizer, InProcessRewards(default_reward), sampling, n=1)
+    greedy, greedy_samples = validate(generate, loader, tokenizer, InProcessRewards(default_reward), n=1)
     assert len(greedy_samples) == 6 and "val/pass@1" not in greedy
 
 
