@@ -53,7 +53,7 @@ class Calculator:
         if call is None:
             return None
         expression = call.group(1)
-        if not re.fullmatch(r"[0-9+\-* ()]{1,32}", expression):
+        if not re.fullmatch(r"[0-9+\-* ()]{1,32}", expression) or "**" in expression:  # no powers: 9**9**9 never ends
             return "error;"  # a tool answers a malformed call; it does not fail the episode
         try:
             return f"{eval(expression, {'__builtins__': {}})};"

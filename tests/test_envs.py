@@ -199,6 +199,7 @@ def test_the_calculator():
     calculator.reset("multiplication", "1776", {})
     assert calculator.step("[37*48]") == "1776;"
     assert calculator.step("[37*]") == "error;"
+    assert calculator.step("[9**9**9]") == "error;"
     assert calculator.step("[__import__('os')]") == "error;"
     assert calculator.step("1776") is None
 
