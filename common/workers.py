@@ -195,6 +195,10 @@ class FSDPWorker:
     """What the policy and the critic share: distributed setup, FSDP2 sharding, optimisation."""
 
     language_model = True  # its output is logits over the vocabulary (see response_outputs)
+    # FSDP gathers each unit's parameters before its forward and backward and scatters its gradients after: a unit per
+    # decoder layer keeps one layer whole at a time. A collective of under a million parameters (4 MB in fp32) costs its
+    # latency, not its size, so consecutive layers smaller than that share a unit until it holds that many.
+    min_unit_params = 1_000_000
 
     def __init__(self, rank: int, world_size: int, use_gpu: bool):
         # The pool decides, not torch.cuda.is_available(): recent Ray no longer hides the GPUs from CPU-only actors.
@@ -286,10 +290,15 @@ class FSDPWorker:
         options = dict(
             mesh=self.mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload and on_gpu else OffloadPolicy()
         )
+        layers, size = [], 0
         for module in list(model.modules()):
             if type(module).__name__ in self.layer_classes:
-                fully_shard(module, **options)
-        fully_shard(model, **options)
+                layers.append(module)
+                size += sum(p.numel() for p in module.parameters())
+                if size >= self.min_unit_params:
+                    fully_shard(layers, **options)
+                    layers, size = [], 0
+        fully_shard(model, **options)  # the root: embeddings, norm and head, with the layers left over
         return model
 
     def _build_optimizer(self, lr: float, weight_decay: float, warmup_steps: int, decay_steps: int) -> None:
@@ -348,10 +357,12 @@ class FSDPWorker:
         """
         self.model.train()
         per_rank = self.mini_batch_size // self.world_size if self.mini_batch_size else len(data)
-        history = defaultdict(list)
+        minis = data.split(per_rank)
+        # Every mini-batch's counts over all ranks in one collective: on the CPU each one costs as much as a forward.
+        counts = self._all_reduce_sum([c for mini in minis for c in (mini["response_mask"].sum().item(), len(mini))])
+        history, all_shares = defaultdict(list), []
         for _ in range(self.epochs):
-            for mini in data.split(per_rank):
-                tokens, seqs = self._all_reduce_sum([mini["response_mask"].sum().item(), len(mini)])
+            for mini, tokens, seqs in zip(minis, counts[::2], counts[1::2]):
                 shares = defaultdict(float)
                 for rows in self.micro_batches(mini):
                     micro = mini[rows].to(self.device)
@@ -361,16 +372,18 @@ class FSDPWorker:
                     shares["loss"] += loss.item()
                     for key, value in metrics.items():
                         shares[key] += float(value)
+                all_shares.append(shares)
                 grad_norm = self._clip_grad_norm()
                 if math.isfinite(grad_norm):
                     self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-                keys = sorted(shares)
-                for key, value in zip(keys, self._all_reduce_sum([shares[k] for k in keys])):
-                    history[key].append(value)
                 history["grad_norm"].append(grad_norm)
                 history["skipped_updates"].append(float(not math.isfinite(grad_norm)))
         self.scheduler.step()
+        keys = sorted(all_shares[0])
+        summed = self._all_reduce_sum([shares[key] for shares in all_shares for key in keys])  # each mini-batch's sums
+        for i, key in enumerate(keys):
+            history[key] = summed[i :: len(keys)]
         metrics = {key: float(np.mean(values)) for key, values in history.items()}
         metrics["skipped_updates"] = float(np.sum(history["skipped_updates"]))
         metrics["lr"] = self.scheduler.get_last_lr()[0]
@@ -629,6 +642,9 @@ class PolicyWorker(FSDPWorker):
         """Per-token log-probs under the reference: the base model (LoRA off) or the frozen copy."""
         with self.model.disable_adapter() if self.lora else nullcontext():
             log_probs, _ = self._log_probs(data, self.model if self.lora else self.reference, with_entropy=False)
+            # PEFT turns the adapter's gradients back on as it leaves: on the sharded parameters, not on the whole
+            # ones a unit holds after its forward (the root's), which FSDP drops at the next reshard.
+            self.model.reshard()
         return DataProto.from_dict({"ref_log_probs": log_probs})
 
     def export(self, path: str, adapter_only: bool = False) -> None:

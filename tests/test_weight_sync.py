@@ -20,6 +20,8 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 class SyncProbe(PolicyProbe):
+    min_unit_params = 0  # a unit per decoder layer, as a model of real size gets
+
     def perturb(self, name_part: str) -> None:
         """Move the parameters whose names contain `name_part` off their initial values (each rank its own shard)."""
         generator = torch.Generator().manual_seed(self.rank)

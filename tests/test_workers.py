@@ -40,6 +40,11 @@ class PolicyProbe(Probe, PolicyWorker):
         """The rows and tokens this rank was dealt."""
         return len(data), int(data["attention_mask"].sum())
 
+    def fsdp_units(self) -> int:
+        from torch.distributed.fsdp import FSDPModule
+
+        return sum(isinstance(module, FSDPModule) for module in self.model.modules())
+
     def micro_batch_loads(self, data: DataProto) -> tuple[list[int], list[int]]:
         """The tokens of each micro-batch, and every row they take."""
         parts = self.micro_batches(data)
@@ -79,6 +84,26 @@ def policy(cpu_pool, tiny_model):
 def rollout(policy, prompts, n=1):
     batch = prompts.repeat(n)
     return batch | policy.scatter("generate", batch.select("prompts", "prompt_mask"), max_response_length=4)
+
+
+class PerLayerProbe(PolicyProbe):
+    min_unit_params = 0
+
+
+def test_small_layers_share_a_unit_and_large_ones_get_their_own(policy, cpu_pool, tiny_model, prompts):
+    """The tiny model's layers are far under a million parameters: one unit, the root, holds them (fewer collectives);
+    with a unit per layer, as a model of real size gets, the log-probs are the same."""
+    assert policy.broadcast("fsdp_units") == [1, 1]
+    per_layer = WorkerGroup(PerLayerProbe, cpu_pool, "per_layer", model_path=tiny_model)
+    try:
+        assert per_layer.broadcast("fsdp_units") == [3, 3]  # two decoder layers and the root
+        batch = rollout(policy, prompts, n=2)
+        one_unit = policy.scatter("compute_log_prob", batch.select(*LOG_PROB_INPUTS))["old_log_probs"]
+        torch.testing.assert_close(
+            per_layer.scatter("compute_log_prob", batch.select(*LOG_PROB_INPUTS))["old_log_probs"], one_unit
+        )
+    finally:
+        per_layer.shutdown()
 
 
 def test_generate_returns_aligned_sequences(policy, prompts, tokenizer):
