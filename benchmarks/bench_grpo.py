@@ -12,6 +12,7 @@ the step spent outside worker compute (dispatch, serialisation, driver work).
 
 import argparse
 import json
+import logging
 import os
 import resource
 import subprocess
@@ -50,14 +51,18 @@ def worker_compute_per_call(steps: int, warmup: int) -> dict[str, list[float]]:
     """Seconds of method execution per call, the slowest rank's, in call order, per method of a step.
 
     Ray reports task events to its timeline about once a second, and a worker stopped at the end of the run takes its
-    last report with it: wait (up to 30 s) for a call per step of every method on every rank, then make do with the
-    calls every rank has, as long as some come after the warm-up.
+    last report with it: wait for a call per step of every method on every rank, or until 3 s pass with no new call,
+    then make do with the calls every rank has, as long as some come after the warm-up.
     """
-    for _ in range(30):
+    # ray.timeline() warns at every call that it will read from the dashboard some day
+    logging.getLogger("ray._private.state").setLevel(logging.ERROR)
+    counts, unchanged = [], 0
+    while unchanged < 3:
         per_rank = {method: ranks for method, ranks in calls_per_rank(ray.timeline()).items() if method in STEP_METHODS}
-        counts = [len(calls) for ranks in per_rank.values() for calls in ranks.values()]
+        previous, counts = counts, [len(calls) for ranks in per_rank.values() for calls in ranks.values()]
         if counts and min(counts) >= steps:
             break
+        unchanged = unchanged + 1 if counts == previous else 0
         time.sleep(1)
     if not counts or min(counts) <= warmup:
         sys.exit(f"Ray's timeline holds {min(counts, default=0)} calls of some worker method, none after the warm-up")

@@ -185,7 +185,9 @@ class Run:
         check_batch_sizes(args.train_batch_size, args.mini_batch_size, args.n, num_workers)
         check_rollout(args.rollout_engine, args.temperature, args.top_p, args.top_k, args.lora_merge, args.offload)
         longest = args.max_prompt_length + args.max_response_length
-        if args.micro_batch_tokens and not longest <= args.micro_batch_tokens:
+        if args.micro_batch_tokens < 0:
+            raise ValueError(f"--micro-batch-tokens is {args.micro_batch_tokens}; use 0 to count sequences, or more")
+        if args.micro_batch_tokens > 0 and longest > args.micro_batch_tokens:
             raise ValueError(
                 f"--micro-batch-tokens {args.micro_batch_tokens} cannot hold one sequence of --max-prompt-length + "
                 f"--max-response-length = {longest} tokens; raise it, or use 0 to count sequences with --micro-batch-size"

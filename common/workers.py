@@ -348,6 +348,14 @@ class FSDPWorker:
             count += 1
         return balanced_parts(lengths, int(self._all_reduce_max(count)))
 
+    def _in_micro_batches(self, data: DataProto, forward) -> list[torch.Tensor | None]:
+        """`forward(micro_batch)`'s tensors (or Nones) for each micro-batch of `data`, each put together on the CPU in
+        the rows' order (micro_batches deals them out of it)."""
+        parts = self.micro_batches(data)
+        outputs = [forward(data[rows].to(self.device)) for rows in parts]
+        order = np.argsort(np.concatenate(parts))
+        return [None if pieces[0] is None else torch.cat([piece.cpu() for piece in pieces])[order] for pieces in zip(*outputs)]
+
     def _update(self, data: DataProto, loss_fn, forward) -> dict:
         """Epochs x mini-batches x micro-batches; one optimiser step per mini-batch.
 
@@ -625,13 +633,7 @@ class PolicyWorker(FSDPWorker):
     @torch.no_grad()
     def _log_probs(self, data: DataProto, model, with_entropy: bool):
         model.eval()
-        log_probs, entropies, parts = [], [], self.micro_batches(data)
-        for rows in parts:
-            log_prob, entropy = self._forward(model, data[rows].to(self.device), with_entropy)
-            log_probs.append(log_prob.cpu())
-            entropies.append(entropy.cpu() if with_entropy else None)
-        order = np.argsort(np.concatenate(parts))  # back to the rows' order
-        return torch.cat(log_probs)[order], torch.cat(entropies)[order] if with_entropy else None
+        return self._in_micro_batches(data, lambda micro: self._forward(model, micro, with_entropy))
 
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """Per-token log-probs and entropies of the responses under the current policy."""
@@ -699,9 +701,8 @@ class CriticWorker(FSDPWorker):
     @torch.no_grad()
     def compute_values(self, data: DataProto) -> DataProto:
         self.model.eval()
-        parts = self.micro_batches(data)
-        values = [self._forward(data[rows].to(self.device)).cpu() for rows in parts]
-        return DataProto.from_dict({"values": torch.cat(values)[np.argsort(np.concatenate(parts))]})
+        [values] = self._in_micro_batches(data, lambda micro: (self._forward(micro),))
+        return DataProto.from_dict({"values": values})
 
     def update(self, data: DataProto, loss_fn) -> dict:
         """Regress values with the script's `loss_fn(micro_batch, values, ...)`."""
