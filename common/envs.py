@@ -182,6 +182,7 @@ def run_episodes(policy, batch, env_calls, stop_strings, tokenizer, eos_token_id
 
     from common.data import collate
     from common.dataproto import DataProto
+    from common.rewards import REPORTED_FAILURES
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
     frame = AnswerFraming(tokenizer)
@@ -236,6 +237,9 @@ def run_episodes(policy, batch, env_calls, stop_strings, tokenizer, eos_token_id
                 episode.own += [False] * len(answer)
                 episode.log_probs += [0.0] * len(answer)
     for kind, (episode, trace) in failures.items():
+        if f"env {kind}" in REPORTED_FAILURES:  # once per kind and run, as the reward's failures
+            continue
+        REPORTED_FAILURES.add(f"env {kind}")
         print(
             f"the environment failed ({kind}) after the turn {episode.last_turn!r} of an episode for {episode.row}:\n"
             f"{trace}The episode ends with score 0 and counts in env/ended_error; fix the environment.",

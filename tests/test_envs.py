@@ -13,7 +13,7 @@ from ray import cloudpickle
 from common.data import collate
 from common.dataproto import DataProto
 from common.envs import AnswerFraming, Calculator, call_env, load_env, run_episodes, stop_end
-from common.rewards import InProcessRewards, RewardProcesses
+from common.rewards import REPORTED_FAILURES, InProcessRewards, RewardProcesses
 from common.workers import WorkerGroup
 from test_workers import LOG_PROB_INPUTS, PolicyProbe
 
@@ -168,6 +168,7 @@ def test_a_tool_that_raises_or_hangs_ends_its_episode_alone(policy, prompts, tok
     rows = [i for i, extra in enumerate(prompts["extra_info"]) if extra["a"] not in (2, 4)][:2]
     broken = [i for i, extra in enumerate(prompts["extra_info"]) if extra["a"] in (2, 4)]
     assert len(broken) == 2, "the demo's first prompts hold a = 2 and a = 4"
+    REPORTED_FAILURES.clear()  # what earlier tests in this process printed
     env_calls = RewardProcesses(f"{env_file}:Chatty", 2, timeout=2, kind="env")
     try:
         batch = play(policy, prompts[rows + broken], env_calls, load_env(f"{env_file}:Chatty"), tokenizer, eos, n=2)
