@@ -180,11 +180,18 @@ def actor_loss(batch, outputs, minibatch_tokens, minibatch_seqs, args: Args):
     log_prob, entropy = outputs
     mask, counts = batch["response_mask"], (minibatch_tokens, minibatch_seqs)
     aggregate = partial(agg_loss, mask=mask, mode=args.loss_agg_mode, num_tokens=minibatch_tokens, num_seqs=minibatch_seqs)
-    tis_weights = compute_tis_weights(batch["old_log_probs"], batch["rollout_log_probs"], args.tis_cap) if args.tis else None
+    # Without an old-log-prob pass (one epoch, one mini-batch) the policy that sampled is this one, unchanged so far:
+    # its log-probs held constant are the old ones (the ratio is 1, and its gradient that of the ratio).
+    old_log_prob = batch["old_log_probs"] if "old_log_probs" in batch else log_prob.detach()
+    tis_weights = compute_tis_weights(old_log_prob, batch["rollout_log_probs"], args.tis_cap) if args.tis else None
     clip = (args.clip_ratio_low, args.clip_ratio_high, args.clip_ratio_c)
     pg_loss, metrics = compute_policy_loss(
-        batch["old_log_probs"], log_prob, batch["advantages"], mask, *clip, args.loss_agg_mode, *counts, tis_weights
+        old_log_prob, log_prob, batch["advantages"], mask, *clip, args.loss_agg_mode, *counts, tis_weights
     )
+    if "old_log_probs" not in batch:  # what the skipped pass would have measured: entropy, the engine's gap
+        token_mean = partial(agg_loss, mask=mask, mode="token-mean", num_tokens=minibatch_tokens)
+        metrics["entropy"] = token_mean(entropy).detach()
+        metrics["rollout_logprob_diff"] = token_mean((old_log_prob - batch["rollout_log_probs"]).abs())
     loss = pg_loss - args.entropy_coef * aggregate(entropy)
     metrics["pg_loss"] = pg_loss.detach()
     if args.kl_loss_coef > 0:
@@ -197,12 +204,12 @@ def actor_loss(batch, outputs, minibatch_tokens, minibatch_seqs, args: Args):
 if __name__ == "__main__":
     from common import demo
     from common.dataproto import DataProto
-    from common.rollout import rollout_logprob_gap
+    from common.rollout import check_rollout_gap, rollout_logprob_gap
     from common.run import Run
     from common.tracking import timer
 
     args = tyro.cli(Args)
-    if args.model_path is None:
+    if args.model_path is None or not args.train_files:
         demo_settings = dict(lr=5e-4, train_batch_size=32, mini_batch_size=8, total_steps=150, overlong_buffer_length=1)
         args = demo.apply(Args, args, **demo_settings, gen_batch_size=96, max_gen_batches=30)
     if args.n < 2 and not args.single_sample_groups:
@@ -220,11 +227,13 @@ if __name__ == "__main__":
     run = Run("dapo", args, prompts_per_batch=prompts_per_round if args.filter_groups else None)
     policy = run.policy(use_reference=args.kl_loss_coef > 0)
     log_prob_inputs = ("input_ids", "attention_mask", "position_ids", "responses")
-    update_inputs = [*log_prob_inputs, "response_mask", "old_log_probs", "advantages"]
+    # One epoch over one mini-batch trains the policy that sampled: the update's own log-probs are the old ones.
+    old_log_prob_pass = args.ppo_epochs > 1 or args.mini_batch_size < args.train_batch_size
+    update_inputs = [*log_prob_inputs, "response_mask", "advantages", "rollout_log_probs"]
+    if old_log_prob_pass:
+        update_inputs.append("old_log_probs")
     if args.kl_loss_coef > 0:
         update_inputs.append("ref_log_probs")
-    if args.tis:
-        update_inputs.append("rollout_log_probs")
 
     for step in run.steps():
         metrics = {}
@@ -262,10 +271,11 @@ if __name__ == "__main__":
         metrics["response/overlong_ratio"] = overlong.float().mean().item()
 
         # 3. Log-probs of the sampled tokens under the policy that sampled them, and under the reference.
-        with timer("old_log_prob", metrics):
-            batch |= policy.scatter("compute_log_prob", batch.select(*log_prob_inputs))
-        # The engine's own log-probs against the trainer's: the gap TIS corrects, too large when the engine lags behind.
-        metrics |= rollout_logprob_gap(batch, args.max_rollout_logprob_diff)
+        if old_log_prob_pass:
+            with timer("old_log_prob", metrics):
+                batch |= policy.scatter("compute_log_prob", batch.select(*log_prob_inputs))
+            # The engine's own log-probs against the trainer's: the gap TIS corrects, too large when the engine lags behind.
+            metrics |= rollout_logprob_gap(batch, args.max_rollout_logprob_diff)
         if args.kl_loss_coef > 0:
             with timer("ref_log_prob", metrics):
                 batch |= policy.scatter("compute_ref_log_prob", batch.select(*log_prob_inputs))
@@ -279,6 +289,8 @@ if __name__ == "__main__":
         with timer("update", metrics):
             actor_metrics = policy.scatter("update", batch.select(*update_inputs), loss_fn=partial(actor_loss, args=args))
         metrics |= {f"actor/{key}": value for key, value in actor_metrics[0].items()}
+        if not old_log_prob_pass:  # the engine's gap, measured by the update: it stops the run before the next step
+            metrics |= check_rollout_gap(metrics.pop("actor/rollout_logprob_diff"), args.max_rollout_logprob_diff)
         run.end_step(step, batch, scores, metrics)
 
     run.finish()

@@ -229,7 +229,7 @@ if __name__ == "__main__":
     from common.workers import CriticWorker
 
     args = tyro.cli(Args)
-    if args.model_path is None:
+    if args.model_path is None or not args.train_files:
         args = demo.apply(Args, args, lr=3e-4, train_batch_size=64, mini_batch_size=16, total_steps=400, critic_lr=1e-3)
     # The critic shares each accelerator with the policy: two worker groups per accelerator.
     run = Run("ppo", args, worker_groups=2)

@@ -160,7 +160,7 @@ if __name__ == "__main__":
     from common.tracking import timer
 
     args = tyro.cli(Args)
-    if args.model_path is None:
+    if args.model_path is None or not args.train_files:
         args = demo.apply(Args, args, lr=3e-4, train_batch_size=64, mini_batch_size=16, total_steps=400)
     if args.n < 2 and not args.single_sample_groups:
         raise ValueError(

@@ -1,12 +1,14 @@
-"""The README's demo table, as a new user gets it: each algorithm's built-in demo on each seed, from a fresh cache.
+"""The README's demo tables, as a new user gets them: each algorithm's built-in demo on each seed, from a fresh cache.
 
 Builds the demo's cache (the tiny model, its warm start and the task files) in a new folder, then runs
 `python algos/<algo>_hybrid.py --seed <seed>` for every algorithm and seed, one after another, each in a
 folder of its own, and prints a markdown table: held-out accuracy before training and at the last
-validation, and the run's wall time (start to exit, Ray's start included).
+validation, and the run's wall time (start to exit, Ray's start included). With `--model-path smollm2`, the
+real model's demo (the times tables): the model is converted into the fresh cache first, timed on its own.
 
     python benchmarks/demo_table.py
     python benchmarks/demo_table.py --algos grpo gspo --seeds 1 --extra-flags --rollout-engine vllm
+    python benchmarks/demo_table.py --model-path smollm2 --algos grpo rloo
 """
 
 import argparse
@@ -20,6 +22,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ALGOS = ["grpo", "dapo", "ppo", "rloo", "reinforcepp", "gspo"]
+
+
+def machine() -> str:
+    """The CPU's model name, its cores, and whether it computes bf16 natively (what --compute-dtype auto follows)."""
+    import platform
+
+    import torch
+
+    name = platform.processor() or platform.machine()
+    if os.path.isfile("/proc/cpuinfo"):
+        names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
+        name = names[0] if names else name
+    bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return f"{name}, {os.cpu_count()} cores, native bf16: {'yes' if bf16 else 'no'}, torch {torch.__version__}"
 
 
 def run_demo(algo: str, seed: int, extra_flags: list[str], env: dict) -> dict:
@@ -40,14 +56,21 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algos", nargs="+", default=ALGOS, choices=ALGOS, help="algorithms to run")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3], help="seeds to run each algorithm with")
+    parser.add_argument("--model-path", help="a packaged real model (smollm2) for its demo, instead of the tiny one")
     parser.add_argument("--extra-flags", nargs=argparse.REMAINDER, default=[], help="flags added to every run (last)")
     args = parser.parse_args()
 
+    print(machine(), flush=True)
     cache = tempfile.mkdtemp(prefix="hybridrl_cache_")
     env = {**os.environ, "HYBRIDRL_CACHE": cache}
     started = time.perf_counter()
     subprocess.run([sys.executable, "-c", "from common import demo; demo.prepare()"], cwd=ROOT, env=env, check=True)
     print(f"fresh demo cache {cache} built in {time.perf_counter() - started:.0f} s", flush=True)
+    if args.model_path:
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "common.pretrained", args.model_path], cwd=ROOT, env=env, check=True)
+        print(f"{args.model_path} converted into it in {time.perf_counter() - started:.0f} s", flush=True)
+        args.extra_flags = ["--model-path", args.model_path, *args.extra_flags]
 
     print("| algorithm | seed | held-out accuracy before | after | wall time |")
     print("|---|---|---|---|---|")

@@ -28,6 +28,7 @@ WARM_START_STEPS = 150
 WARM_START_LR = 3e-3
 CALCULATOR_WARM_PROBLEMS = 200
 CALCULATOR_WARM_START_STEPS = 50
+TIMES_TABLES_CACHE_VERSION = "times-tables-v1"
 
 
 def addition_problems() -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -79,6 +80,15 @@ def multiplication_problems() -> tuple[list[tuple[int, int]], list[tuple[int, in
     return problems[:CALCULATOR_WARM_PROBLEMS], problems[CALCULATOR_WARM_PROBLEMS : 2 * CALCULATOR_WARM_PROBLEMS]
 
 
+def times_tables_problems() -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Products of 2..19 by 2..9, split in half at random: (training problems, held-out problems). Asked as a bare
+    "17 * 6 =", SmolLM2-135M-Instruct answers 15% of them right, greedily: it mostly talks around the question. Asked
+    to "reply with the number only" it gets 54% right: it knows many products but does not answer directly."""
+    problems = [(a, b) for a in range(2, 20) for b in range(2, 10)]
+    random.Random(DEMO_SEED).shuffle(problems)
+    return problems[:72], problems[72:]
+
+
 def calculator_transcript(a: int, b: int) -> list[tuple[str, bool]]:
     """An episode that uses the calculator well, as (text, written by the model) pieces after the prompt."""
     return [(f"[{a}*{b}]", True), (f"{a * b};", False), (str(a * b), True)]
@@ -117,14 +127,17 @@ def warm_start(path: str, examples: list[tuple[str, list[tuple[str, bool]]]], st
     model.save_pretrained(path)
 
 
-def write_task(path: Path, problems: list[tuple[int, int]], operator: str = "+") -> None:
+def write_task(path: Path, problems: list[tuple[int, int]], operator: str = "+", data_source: str | None = None) -> None:
+    """Verl-style rows "a+b=" (or "a*b="); with `data_source` given, "a * b =" rows of that data source."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    source = data_source or ("addition" if operator == "+" else "multiplication")
+    spaced = " " if data_source else ""
     rows = [
         {
-            "prompt": [{"role": "user", "content": f"{a}{operator}{b}="}],
-            "data_source": "addition" if operator == "+" else "multiplication",
+            "prompt": [{"role": "user", "content": f"{a}{spaced}{operator}{spaced}{b}{spaced}="}],
+            "data_source": source,
             "reward_model": {"ground_truth": str(a + b if operator == "+" else a * b)},
             "extra_info": {"a": a, "b": b},
         }
@@ -150,16 +163,26 @@ def build_calculator(folder: Path) -> None:
     write_task(folder / "val.parquet", held_out, "*")
 
 
+def build_times_tables(folder: Path) -> None:
+    train, held_out = times_tables_problems()
+    write_task(folder / "train.parquet", train, "*", data_source="times_tables")
+    write_task(folder / "val.parquet", held_out, "*", data_source="times_tables")
+
+
 def prepare(task: str = "addition") -> tuple[str, str, str]:
-    """Build (or reuse) the warm-started model and the files of `task` ("addition" or "calculator"):
-    (model, train file, val file)."""
-    root = Path(os.environ.get("HYBRIDRL_CACHE", Path.home() / ".cache" / "hybridrl"))
-    ready = root / (CACHE_VERSION if task == "addition" else CALCULATOR_CACHE_VERSION)
-    if not (ready / "model" / "config.json").exists():
+    """Build (or reuse) the files of `task` ("addition", "calculator" or "times_tables") and, but for the times
+    tables (a real model's task), the warm-started tiny model: (model, train file, val file)."""
+    from common.pretrained import cache_root
+
+    root = cache_root()
+    version = {"addition": CACHE_VERSION, "calculator": CALCULATOR_CACHE_VERSION, "times_tables": TIMES_TABLES_CACHE_VERSION}
+    build = {"addition": build_addition, "calculator": build_calculator, "times_tables": build_times_tables}
+    ready = root / version[task]
+    if not (ready / "val.parquet").exists():
         root.mkdir(parents=True, exist_ok=True)
         # Built in a scratch folder and renamed when whole, so a crash never leaves a half cache.
         scratch = Path(tempfile.mkdtemp(dir=root))
-        (build_addition if task == "addition" else build_calculator)(scratch)
+        build[task](scratch)
         try:
             os.rename(scratch, ready)
         except OSError:  # another process finished first
@@ -167,26 +190,61 @@ def prepare(task: str = "addition") -> tuple[str, str, str]:
     return str(ready / "model"), str(ready / "train.parquet"), str(ready / "val.parquet")
 
 
-def apply(args_cls, args, **settings):
-    """Parse the command line again, with the demo's model and data, the task's lengths and `settings` as defaults:
-    the addition task, or with `--env calculator` the multiplication task with the calculator tool.
+# The real model's task: LoRA, as a user trains a real model on a small machine; the prompts' chat template is about
+# 40 tokens, and 16 new tokens hold a direct answer ("17 * 6 = 102") with room to spare.
+TIMES_TABLES_DEFAULTS = dict(
+    lora_rank=16,
+    lora_alpha=32,
+    lr=2e-4,
+    train_batch_size=8,
+    n=8,
+    mini_batch_size=8,
+    micro_batch_size=64,
+    total_steps=20,
+    max_prompt_length=64,
+    max_response_length=16,
+    test_freq=5,
+    val_batch_size=72,
+)
 
-    Flags the user wrote still win; only the defaults change.
+
+def apply(args_cls, args, **settings):
+    """Parse the command line again, with a built-in demo's model, data and defaults; flags the user wrote still win.
+
+    Without --model-path: the tiny model on the addition task with the script's `settings` (on the user's
+    --train-files, if any), or with `--env calculator` the multiplication task with the calculator tool. With a
+    packaged real model (`--model-path smollm2`, see common/pretrained.py) and no --train-files: that model on the
+    times tables, with TIMES_TABLES_DEFAULTS in place of the tiny model's `settings`. Any other --model-path is
+    returned as it is.
     """
     import tyro
 
+    from common.pretrained import MODELS
     from common.rollout import check_torchvision
 
-    if args.env not in (None, "calculator"):
-        raise ValueError(f"--env {args.env} needs --model-path and --train-files: only --env calculator has a built-in demo")
+    if args.model_path is not None and args.model_path not in MODELS:
+        return args
+    if args.env not in (None, "calculator") or (args.env and args.model_path):
+        raise ValueError(
+            f"--env {args.env} needs --model-path and --train-files: only --env calculator has a built-in demo, on the "
+            "tiny model"
+        )
     check_torchvision()  # building the model imports transformers' models
+    if args.model_path in MODELS:
+        _, train_file, val_file = prepare("times_tables")
+        print(f"built-in demo: {args.model_path} on the times tables; demo defaults {TIMES_TABLES_DEFAULTS}")
+        files = dict(train_files=[train_file], val_files=[val_file])
+        return tyro.cli(args_cls, default=args_cls(model_path=args.model_path, **files, **TIMES_TABLES_DEFAULTS))
     model_path, train_file, val_file = prepare("addition" if args.env is None else "calculator")
     print(f"built-in demo: tiny model at {model_path}, {args.env or 'addition'} task; demo defaults {settings}")
     # Prompts like "7+8=" and answers like "15" plus EOS: every micro-batch fits in one forward. At the demo's
     # learning rates a tiny model's held-out accuracy swings by several points from one validation to the next
     # near the end; a learning rate that decays to 0 lets it settle. With the calculator, an episode like
     # "[37*48]" "1776;" "1776" plus EOS.
-    task = dict(max_prompt_length=8, max_response_length=4, micro_batch_size=256, lr_schedule="cosine")
+    # fp32: on an 81k-parameter model casting to bf16 costs more than it saves, and the demo table was measured so.
+    task = dict(
+        max_prompt_length=8, max_response_length=4, micro_batch_size=256, lr_schedule="cosine", compute_dtype="float32"
+    )
     if args.env == "calculator":
         task |= dict(max_response_length=20, max_turns=3)
         settings |= dict(total_steps=100)  # it learns the tool within 25 steps

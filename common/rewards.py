@@ -49,6 +49,12 @@ def _number(text: str) -> float | None:
         return None
 
 
+def last_number_reward(solution_str: str, ground_truth: str) -> float:
+    """The real model's times tables: 1 when the last number in the response equals the answer."""
+    numbers = re.findall(r"-?\d+(?:\.\d+)?", solution_str.replace(",", ""))
+    return float(bool(numbers) and _number(numbers[-1]) == _number(str(ground_truth)))
+
+
 def gsm8k_reward(solution_str: str, ground_truth: str) -> float:
     """1 when the last number written after '####' equals the ground truth."""
     answers = re.findall(r"####\s*([-$0-9.,]+)", solution_str)
@@ -73,6 +79,7 @@ def math_reward(solution_str: str, ground_truth: str) -> float:
 BUILTIN_REWARDS = {
     "addition": exact_answer_reward,
     "multiplication": exact_answer_reward,
+    "times_tables": last_number_reward,
     "gsm8k": gsm8k_reward,
     "openai/gsm8k": gsm8k_reward,
     "math": math_reward,

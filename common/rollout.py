@@ -402,14 +402,19 @@ def response_batch(prompts, prompt_mask, responses, log_probs, max_response_leng
 
 
 def rollout_logprob_gap(batch: DataProto, bound: float) -> dict:
-    """How far the engine's log-probs of its own samples are from the trainer's, per token: mean and max.
+    """How far the engine's log-probs of its own samples are from the trainer's (`old_log_probs`), per token: mean
+    and max, checked by check_rollout_gap."""
+    gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()[batch["response_mask"].bool()]
+    return check_rollout_gap(gap.mean().item(), bound) | {"rollout/logprob_diff_max": gap.max().item()}
+
+
+def check_rollout_gap(mean: float, bound: float) -> dict:
+    """The mean gap between the engine's log-probs of its samples and the trainer's, checked against `bound`.
 
     Float rounding and the engine's other kernels explain a small gap. A mean gap above `bound`
     (0: no bound) means the engine samples from other weights than the policy's, stale or never
-    loaded, and stops the run before it trains on those samples.
+    loaded, and stops the run.
     """
-    gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()[batch["response_mask"].bool()]
-    mean = gap.mean().item()
     if bound and mean > bound:
         raise RuntimeError(
             f"the rollout engine does not hold the policy's weights: its log-probs of its own samples differ from the "
@@ -417,4 +422,4 @@ def rollout_logprob_gap(batch: DataProto, bound: float) -> dict:
             "log for weights the engine did not receive; with LoRA, check that the engine serves the adapter, or send "
             "merged weights with --lora-merge. Raise the bound only for an engine that computes in lower precision."
         )
-    return {"rollout/logprob_diff_mean": mean, "rollout/logprob_diff_max": gap.max().item()}
+    return {"rollout/logprob_diff_mean": mean}

@@ -119,6 +119,10 @@ class RunArgs:
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping"""
+    compute_dtype: Literal["auto", "bfloat16", "float32"] = flag("auto", resumable=True)
+    """what the policy and the critic compute in (log-probs, the reference, updates, the hf engine), over fp32 master
+    weights: `auto` takes bfloat16 on GPUs and on CPUs that compute it natively (AVX512-BF16 or AMX), float32
+    elsewhere"""
     gradient_checkpointing: bool = False
     """recompute activations in backward to save memory"""
     lora_rank: int = 0
@@ -171,6 +175,7 @@ class Run:
         from common.checkpoint import check_config, find_checkpoint
         from common.data import PromptLoader, check_batch_sizes, load_prompts
         from common.envs import call_env, load_env
+        from common.pretrained import resolve as resolve_model
         from common.rewards import InProcessRewards, RewardProcesses, check_data_sources, load_reward_fn
         from common.rollout import check_rollout, eos_token_ids
         from common.tracking import Tracker
@@ -195,10 +200,11 @@ class Run:
         if args.reward_workers is not None and args.reward_workers < 0:
             raise ValueError(f"--reward-workers is {args.reward_workers}; use 0 to score in this process, or more")
         torch.manual_seed(args.seed)
-        self.tokenizer = load_tokenizer(args.model_path)
-        self.eos_token_ids = eos_token_ids(args.model_path, self.tokenizer)
         if not args.train_files:
             raise ValueError("--train-files is missing: name the prompt files to train on (verl-style parquet or jsonl)")
+        args.model_path = resolve_model(args.model_path)
+        self.tokenizer = load_tokenizer(args.model_path)
+        self.eos_token_ids = eos_token_ids(args.model_path, self.tokenizer)
         pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.reward_fn = load_reward_fn(args.reward_fn)
         self.env_cls = load_env(args.env) if args.env else None
@@ -268,6 +274,7 @@ class Run:
             lr_decay_steps=max(1, args.total_steps - args.lr_warmup_steps) if args.lr_schedule == "cosine" else 0,
             max_grad_norm=args.max_grad_norm,
             gradient_checkpointing=args.gradient_checkpointing,
+            compute_dtype=args.compute_dtype,
             lora_rank=args.lora_rank,
             lora_alpha=args.lora_alpha,
             lora_target_modules=args.lora_target_modules,
@@ -392,9 +399,10 @@ class Run:
         args, step_time = self.args, time.perf_counter() - self.step_start
         response_mask = batch["response_mask"]
         response_lengths = response_mask.sum(-1)
+        if "entropy" in batch:  # else the update measured it
+            metrics["actor/entropy"] = ((batch["entropy"] * response_mask).sum() / response_mask.sum()).item()
         metrics |= {
             "train/reward_mean": scores.mean().item(),
-            "actor/entropy": ((batch["entropy"] * response_mask).sum() / response_mask.sum()).item(),
             "response/length_mean": response_lengths.mean().item(),
             "response/clip_ratio": (response_lengths == args.max_response_length).float().mean().item(),
             "timing/step": step_time,

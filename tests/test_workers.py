@@ -51,6 +51,12 @@ class PolicyProbe(Probe, PolicyWorker):
         return [int(data[rows]["attention_mask"].sum()) for rows in parts], sorted(np.concatenate(parts).tolist())
 
 
+    def compute_setup(self) -> tuple[str, str, list[str]]:
+        """The compute dtype, the micro-batch layout, and the dtypes of the master weights."""
+        self.model.reshard()  # unsharded, FSDP2 shows the gathered copies, in the compute dtype
+        return str(self.compute_dtype), self.layout, sorted({str(p.dtype) for p in self.model.parameters()})
+
+
 class CriticProbe(Probe, CriticWorker):
     pass
 
@@ -247,6 +253,30 @@ def test_save_and_load_restore_weights(policy, prompts, tmp_path):
     restored = policy.broadcast("full_state_dict")[0]
     for name in saved:
         assert torch.equal(saved[name], restored[name]), name
+
+
+def test_bf16_compute_over_fp32_master_weights(cpu_pool, tiny_model, prompts):
+    """--compute-dtype bfloat16 on the CPU: passes and generation in bf16 near the fp32 model's log-probs, the packing
+    check still passes (at bf16's tolerance), the engine's log-probs stay within the guard's bound, and the weights an
+    update changes stay fp32."""
+    group = WorkerGroup(PolicyProbe, cpu_pool, "bf16", model_path=tiny_model, compute_dtype="bfloat16", lr=1e-2)
+    try:
+        assert group.broadcast("compute_setup")[0] == ("torch.bfloat16", "rows", ["torch.float32"])
+        batch = rollout(group, prompts, n=4)
+        batch |= group.scatter("compute_log_prob", batch.select(*LOG_PROB_INPUTS))
+        mask = batch["response_mask"].bool()
+        gap_to_fp32 = (batch["old_log_probs"] - local_log_probs(local_model(tiny_model), batch))[mask].abs()
+        assert 0 < gap_to_fp32.max() < 0.1  # bf16 rounds, but stays near the model
+        assert (batch["old_log_probs"] - batch["rollout_log_probs"])[mask].abs().mean() < 0.1
+        before = group.broadcast("full_state_dict")[0]
+        batch["advantages"] = torch.linspace(-1, 1, len(batch))[:, None] * batch["response_mask"]
+        inputs = batch.select(*LOG_PROB_INPUTS, "response_mask", "old_log_probs", "advantages")
+        group.scatter("update", inputs, loss_fn=partial(grpo_hybrid.actor_loss, args=grpo_hybrid.Args(kl_loss_coef=0.0)))
+        after = group.broadcast("full_state_dict")[0]
+        assert all(tensor.dtype == torch.float32 for tensor in after.values())
+        assert any(not torch.equal(before[name], after[name]) for name in before)
+    finally:
+        group.shutdown()
 
 
 def test_lora_reference_is_the_base_model(cpu_pool, tiny_model, prompts):
