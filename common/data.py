@@ -20,13 +20,40 @@ class DataError(ValueError):
     pass
 
 
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
+
+
+def data_files(paths: list[str]) -> list[str]:
+    """`paths` with each folder replaced by the data files in it (.parquet, .jsonl, .json; not in subfolders), sorted
+    by name, as the datasets library reads a folder; each folder's files are printed."""
+    files = []
+    for path in paths:
+        if not os.path.isdir(path):
+            files.append(path)
+            continue
+        inside = sorted(os.path.join(path, name) for name in os.listdir(path) if name.endswith(DATA_SUFFIXES))
+        inside = [file for file in inside if os.path.isfile(file)]
+        if not inside:
+            raise DataError(f"data folder {path} holds no .parquet, .jsonl or .json file; name the files, or put them in it")
+        print(f"data folder {path}: reading {', '.join(os.path.basename(file) for file in inside)}")
+        files += inside
+    return files
+
+
 def read_rows(path: str) -> list[dict]:
     if not os.path.isfile(path):
         raise DataError(f"data file {path} does not exist")
     if path.endswith(".parquet"):
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(path).to_pylist()
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except pa.ArrowInvalid as error:
+            raise DataError(
+                f"data file {path} is not a parquet file ({error}); the files read are parquet (.parquet) and JSON lines "
+                "(.jsonl, .json), chosen by their ending: convert it, or rename it to what it holds"
+            ) from None
     elif path.endswith((".jsonl", ".json")):
         with open(path) as f:
             rows = []
@@ -37,7 +64,7 @@ def read_rows(path: str) -> list[dict]:
                     except json.JSONDecodeError as error:
                         raise DataError(f"{path}, line {line_number + 1}: not valid JSON ({error})") from None
     else:
-        raise DataError(f"data file {path}: use .parquet or .jsonl")
+        raise DataError(f"data file {path}: use .parquet or .jsonl (or a folder of them)")
     if not rows:
         raise DataError(f"data file {path} has no rows")
     return rows
@@ -85,7 +112,7 @@ def render_prompt(messages: list[dict], tokenizer) -> str:
 def load_prompts(files: list[str], tokenizer, max_prompt_length: int, truncate: bool = False) -> DataProto:
     """Read, check and tokenise every row of `files`; raise on the first bad one."""
     prompt_ids, data_sources, ground_truths, extra_infos, texts = [], [], [], [], []
-    for path in files:
+    for path in data_files(files):
         for index, row in enumerate(read_rows(path)):
             check_row(row, path, index)
             text = render_prompt(row["prompt"], tokenizer)

@@ -160,6 +160,12 @@ def call_reward(reward_fn, data_source, solution_str, ground_truth, extra_info) 
         return "error", type(error).__name__, traceback.format_exc()
 
 
+def function_name(function) -> str:
+    """`path/to/file.py:name` of a function (or class), as --reward-fn and --env name them."""
+    path = getattr(getattr(function, "__code__", None), "co_filename", None) or sys.modules[function.__module__].__file__
+    return f"{os.path.relpath(path)}:{function.__qualname__}"
+
+
 class InProcessRewards:
     """Scores responses one after another in this process, so that breakpoint() in a reward stops in the terminal;
     a call past `timeout` seconds is interrupted (see time_limit). With `call` common.envs.call_env and an
@@ -167,6 +173,7 @@ class InProcessRewards:
 
     def __init__(self, reward_fn, timeout: float | None = None, call=call_reward):
         self.reward_fn, self.timeout, self.call = reward_fn, timeout, call
+        self.name = "the built-in rewards" if reward_fn is default_reward else function_name(reward_fn)
 
     def __call__(self, samples: list[tuple]) -> list[tuple]:
         return [self._call(sample) for sample in samples]
@@ -219,6 +226,7 @@ class RewardProcesses:
 
     def __init__(self, spec: str | None, size: int, timeout: float | None = None, kind: str = "reward"):
         self.spec, self.timeout, self.kind = spec, timeout or math.inf, kind
+        self.name = spec or "the built-in rewards"
         self.processes = [self._start() for _ in range(size)]
         atexit.register(self.close)
 
@@ -400,6 +408,7 @@ def score_texts(texts: list[str], batch: DataProto, rewards, max_error_share: fl
     Episodes whose environment gave a score (`episode_score`) keep it and call no reward.
     """
     samples = list(zip(*(batch[k] for k in ("data_source", "ground_truth", "extra_info"))))
+    prompts = batch["prompt_text"] if "prompt_text" in batch else [None] * len(texts)
     given = batch["episode_score"] if "episode_score" in batch else [None] * len(texts)
     unscored = [i for i, value in enumerate(given) if value is None]
     outcomes = [("ok", value, {}) for value in given]
@@ -407,7 +416,7 @@ def score_texts(texts: list[str], batch: DataProto, rewards, max_error_share: fl
     for i, outcome in zip(unscored, calls):
         outcomes[i] = outcome
     scores, extras, errors, timeouts, first_failure = [], [], 0, 0, None
-    for text, (source, truth, _), outcome in zip(texts, samples, outcomes):
+    for text, prompt, (source, truth, _), outcome in zip(texts, prompts, samples, outcomes):
         scores.append(outcome[1] if outcome[0] == "ok" else 0.0)
         extras.append(outcome[2] if outcome[0] == "ok" else {})
         timeouts += outcome[0] == "timeout"
@@ -415,7 +424,8 @@ def score_texts(texts: list[str], batch: DataProto, rewards, max_error_share: fl
             errors += 1
             kind, trace = outcome[1:]
             failure = (
-                f"the reward function failed for data_source {source!r}, ground_truth {truth!r}, response {text!r}:\n{trace}"
+                f"the reward function failed for data_source {source!r}, ground_truth {truth!r}, prompt {prompt!r}, "
+                f"response {text!r} (the reward: {rewards.name}):\n{trace}"
             )
             first_failure = first_failure or failure
             if kind not in REPORTED_FAILURES:

@@ -216,6 +216,12 @@ class Run:
             check_data_sources(val_data, self.reward_fn)
         self.val_name = "held-out accuracy" if args.val_files else "accuracy on the training prompts (no --val-files)"
         batch_size = prompts_per_batch or args.train_batch_size
+        if batch_size > len(train_data):
+            flag = "--train-batch-size" if prompts_per_batch is None else "the prompts drawn per round (--gen-batch-size)"
+            raise ValueError(
+                f"{flag} is {batch_size} prompts, more than the {len(train_data)} in --train-files "
+                f"{' '.join(args.train_files)}: lower it, or add prompts"
+            )
         self.train_loader = PromptLoader(train_data, batch_size, pad_token_id, shuffle=True, seed=args.seed)
         self.val_loader = PromptLoader(val_data, args.val_batch_size, pad_token_id, shuffle=False, drop_last=False)
         run_prefix = f"{algo}__{args.exp_name}__{args.seed}"

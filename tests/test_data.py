@@ -66,6 +66,29 @@ def test_missing_empty_and_unknown_files(tmp_path, tokenizer):
         load_prompts([str(tmp_path / "broken.jsonl")], tokenizer, 16)
 
 
+def test_a_csv_named_parquet_is_named_and_said_not_parquet(tmp_path, tokenizer):
+    (tmp_path / "train.parquet").write_text("prompt,data_source\n1+2=,addition\n")
+    with pytest.raises(DataError, match=r"train.parquet is not a parquet file .*parquet \(.parquet\) and JSON lines"):
+        load_prompts([str(tmp_path / "train.parquet")], tokenizer, 16)
+
+
+def test_a_folder_reads_the_data_files_inside_and_says_which(tmp_path, tokenizer, capsys):
+    row = {"prompt": [{"role": "user", "content": "1+1="}], "data_source": "addition", "reward_model": {"ground_truth": "2"}}
+    rows = [row | {"reward_model": {"ground_truth": str(i + 1)}} for i in range(3)]
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "b.jsonl").write_text("\n".join(json.dumps(row) for row in rows[1:]) + "\n")
+    pq.write_table(pa.Table.from_pylist(rows[:1]), folder / "a.parquet")
+    (folder / "notes.txt").write_text("not data")
+    (folder / "nested.jsonl").mkdir()  # a folder with a data file's name is not a file
+    data = load_prompts([str(folder)], tokenizer, 16)
+    assert list(data["ground_truth"]) == ["1", "2", "3"]  # a.parquet, then b.jsonl
+    assert f"data folder {folder}: reading a.parquet, b.jsonl" in capsys.readouterr().out
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"data folder .*empty holds no .parquet, .jsonl or .json file"):
+        load_prompts([str(tmp_path / "empty")], tokenizer, 16)
+
+
 def test_long_prompt_is_an_error_or_truncated(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "long.jsonl", [row(), row("12345+67890=")])
     with pytest.raises(DataError, match=r"long.jsonl, row 1: the prompt has 12 tokens, more than --max-prompt-length 8"):

@@ -200,6 +200,7 @@ def test_a_reward_broken_for_every_sample_stops_at_the_first_step(ray_cluster, d
     assert code != 0
     assert "the reward function failed for 32 of 32 samples, more than --max-reward-error-share 0.5 allows" in stderr
     assert "for data_source 'addition', ground_truth" in stderr and failure in stderr
+    assert f"(the reward: {tmp_path}/broken.py:score)" in stderr and "prompt '" in stderr and "response '" in stderr
     [run_dir] = (tmp_path / "runs").iterdir()
     assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text()  # no step finished
 
@@ -267,7 +268,7 @@ def test_a_hanging_reward_is_cut_off(tokenizer):
         (["--train-files", "{tmp}/long.jsonl"], "long.jsonl, row 0: the prompt has 9 tokens, more than --max-prompt-length 8"),
         (
             ["--train-batch-size", "128", "--mini-batch-size", "64"],
-            "a batch of 128 prompts is larger than the dataset (100 prompts)",
+            "--train-batch-size is 128 prompts, more than the 100 in --train-files",
         ),
         (["--num-workers", "3"], "does not split evenly over --num-workers 3"),
         (
