@@ -231,7 +231,10 @@ class Run:
         elif args.resume == "auto":
             print(f"--resume auto: no checkpoint of runs/{run_prefix}__* yet, so this run starts from step 1")
         wandb = dict(wandb_project=args.wandb_project_name, wandb_entity=args.wandb_entity) if args.track else {}
-        self.tracker = Tracker(run_prefix, dataclasses.asdict(args), self.resume_from, **wandb)
+        script = sys.argv[0] if sys.argv[0].endswith(".py") else None
+        # the code that made the curve, and in wandb the experiment's group with the algorithm as a tag
+        provenance = dict(script=script, group=args.exp_name, tags=(algo,))
+        self.tracker = Tracker(run_prefix, dataclasses.asdict(args), self.resume_from, **wandb, **provenance)
 
         reward_workers = args.reward_workers
         if reward_workers is None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,9 +22,16 @@ class Tracker:
         wandb_project: str | None = None,
         wandb_entity: str | None = None,
         runs_dir: str = "runs",
+        script: str | None = None,
+        group: str | None = None,
+        tags: tuple[str, ...] = (),
     ):
         """A new run, runs/<run_prefix>__<unix time>, or the run of checkpoint `resume_from`
-        (runs/<run name>/checkpoints/step_<N>) continued. `config` goes to config.json and to wandb."""
+        (runs/<run name>/checkpoints/step_<N>) continued. `config` goes to config.json and to wandb.
+
+        The `script` that runs is copied into runs/<run name>/code/ with the git commit it belongs to (code.json), as
+        cleanrl saves the code with every run: a fork's curve keeps the code that made it. In wandb the run joins
+        `group` (runs of one experiment) with `tags` (the algorithm), and carries the copy and the commit."""
         new_run = Path(runs_dir) / f"{run_prefix}__{int(time.time())}"
         # Absolute: workers, on this node or others, may run in another directory.
         self.run_dir = (resume_from.parent.parent if resume_from else new_run).resolve()
@@ -35,6 +45,7 @@ class Tracker:
             rows = metrics_path.read_text().splitlines()
             metrics_path.write_text("".join(row + "\n" for row in rows if json.loads(row)["step"] <= resume_step))
         self.metrics_file = open(metrics_path, "a")
+        code = save_code(script, self.run_dir / "code", resume_from) if script else None
         self.wandb = None
         if wandb_project is not None:
             import wandb
@@ -43,11 +54,15 @@ class Tracker:
                 project=wandb_project,
                 entity=wandb_entity,
                 name=self.run_name,
-                config=config,
+                group=group,
+                tags=list(tags),
+                config=config | ({"code": code} if code else {}),
                 dir=str(self.run_dir),
                 id=self.run_name,
                 resume="allow",
             )
+            if code:
+                self.wandb.save(str(self.run_dir / "code" / code["copy"]), base_path=str(self.run_dir), policy="now")
 
     def log(self, metrics: dict, step: int) -> None:
         self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -74,6 +89,35 @@ class Tracker:
         self.metrics_file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def save_code(script: str, folder: Path, resume_from: Path | None) -> dict:
+    """Copy `script` into `folder`, with its git commit and whether the script differs from it, into code.json; a run
+    resumed with a script other than the one saved keeps both, the later one named after the step it resumed from."""
+    folder.mkdir(exist_ok=True)
+    name = Path(script).name
+    copy = folder / name
+    if copy.exists() and resume_from is not None and copy.read_bytes() != Path(script).read_bytes():
+        copy = folder / f"{Path(script).stem}.from_{resume_from.name}.py"
+    shutil.copyfile(script, copy)
+    code = {"script": os.path.relpath(script), "copy": copy.name, **git_state(script)}
+    (folder / "code.json").write_text(json.dumps(code, indent=2))
+    return code
+
+
+def git_state(path: str) -> dict:
+    """The commit of the git checkout that holds `path`, and whether the file differs from it (None outside git)."""
+
+    def git(*words):
+        result = subprocess.run(["git", *words], cwd=os.path.dirname(os.path.abspath(path)), capture_output=True, text=True)
+        return result.stdout.strip() if result.returncode == 0 else None
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        changed = commit is not None and git("status", "--porcelain", "--", os.path.abspath(path)) != ""
+    except OSError:  # no git on this machine
+        commit, changed = None, False
+    return {"commit": commit, "changed_since_commit": changed}
 
 
 @contextmanager
