@@ -80,8 +80,9 @@ class RunArgs:
     """with vllm: what the engine computes in (the trainer keeps fp32 weights; TIS corrects the gap)"""
     rollout_gpu_memory_utilization: float = 0.5
     """with vllm on GPUs: the share of each GPU's memory the engine takes for its weights and KV cache"""
-    lora_merge: bool = False
-    """with vllm and LoRA: send the engine the adapter merged into the weights, instead of the adapter alone"""
+    lora_sync: Literal["auto", "adapter", "merged"] = "auto"
+    """with vllm and LoRA, what the engine receives after each update: the adapter alone, or the adapter merged into
+    every weight; `auto`: merged on CPUs, where vLLM's LoRA kernels cost more than the model itself, the adapter on GPUs"""
     offload: bool = False
     """with vllm: move the policy's weights and optimiser state to CPU memory while the engine generates"""
     max_rollout_logprob_diff: float = flag(0.1, resumable=True)
@@ -188,7 +189,7 @@ class Run:
                 raise ValueError(f"{flag_name(field.name)} is {value}; it must be above 0")
         num_workers = 1 if args.in_process else args.num_workers
         check_batch_sizes(args.train_batch_size, args.mini_batch_size, args.n, num_workers)
-        check_rollout(args.rollout_engine, args.temperature, args.top_p, args.top_k, args.lora_merge, args.offload)
+        check_rollout(args.rollout_engine, args.temperature, args.top_p, args.top_k, args.lora_sync, args.offload)
         longest = args.max_prompt_length + args.max_response_length
         if args.micro_batch_tokens < 0:
             raise ValueError(f"--micro-batch-tokens is {args.micro_batch_tokens}; use 0 to count sequences, or more")
@@ -301,7 +302,7 @@ class Run:
             rollout_engine=args.rollout_engine,
             rollout_dtype=args.rollout_dtype,
             rollout_gpu_memory_utilization=args.rollout_gpu_memory_utilization,
-            lora_merge=args.lora_merge,
+            lora_sync=args.lora_sync,
             offload=args.offload,
             max_model_len=args.max_prompt_length + args.max_response_length,
         )

@@ -592,7 +592,7 @@ class PolicyWorker(FSDPWorker):
         rollout_dtype: str = "bfloat16",
         rollout_gpu_memory_utilization: float = 0.5,
         max_model_len: int = 2048,
-        lora_merge: bool = False,
+        lora_sync: str = "auto",
         offload: bool = False,
         **settings,
     ) -> None:
@@ -631,7 +631,7 @@ class PolicyWorker(FSDPWorker):
                 dtype=getattr(torch, rollout_dtype),
                 gpu_memory_utilization=rollout_gpu_memory_utilization,
                 max_model_len=max_model_len,
-                lora_merge=lora_merge,
+                lora_sync=lora_sync,
                 offload=offload,
             )
 

@@ -98,7 +98,7 @@ VLLM_FP32 = ["--rollout-engine", "vllm", "--rollout-dtype", "float32"]  # the tr
         ("reinforcepp", ["--baseline"]),
         ("gspo", []),
         ("grpo", VLLM_FP32),
-        ("ppo", VLLM_FP32 + LORA + ["--lora-merge"]),
+        ("ppo", VLLM_FP32 + LORA + ["--lora-sync", "merged"]),
         ("dapo", VLLM_FP32 + ["--tis"]),
     ],
     ids=[

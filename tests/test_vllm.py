@@ -173,16 +173,16 @@ def test_a_weight_that_never_reaches_the_engine_is_an_error(policy):
         policy.broadcast("sync_without", "model.norm.weight")
 
 
-@pytest.mark.parametrize("lora_merge", [False, True], ids=["adapter", "merged"])
-def test_lora_reaches_the_engine(cpu_pool, tiny_model, prompts, lora_merge):
-    group = vllm_policy(cpu_pool, tiny_model, f"vllm_lora_{lora_merge}", lora_rank=4, lora_alpha=8, lora_merge=lora_merge)
+@pytest.mark.parametrize("lora_sync", ["adapter", "merged"])
+def test_lora_reaches_the_engine(cpu_pool, tiny_model, prompts, lora_sync):
+    group = vllm_policy(cpu_pool, tiny_model, f"vllm_lora_{lora_sync}", lora_rank=4, lora_alpha=8, lora_sync=lora_sync)
     try:
         for version in (1, 2):
             group.broadcast("perturb_adapter", version)
             batch = rollout(group, prompts)
             assert gap(batch) < FP32_GAP
             assert gap(batch, "ref_log_probs") > 0.05  # the engine did not sample from the base model
-        if not lora_merge:  # the new adapter replaced the old one
+        if lora_sync == "adapter":  # the new adapter replaced the old one
             assert group.broadcast("served_adapters")[0] == (2, ["2"])
     finally:
         group.shutdown()

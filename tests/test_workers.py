@@ -334,9 +334,9 @@ def test_validation_with_n_samples_reports_mean_and_pass_at_n(policy, demo_files
     assert len(greedy_samples) == 6 and "val/pass@1" not in greedy
 
 
-@pytest.mark.parametrize("flag", ["offload", "lora_merge"])
-def test_vllm_only_settings_are_refused_with_the_hf_engine(flag):
-    settings = dict(offload=False, lora_merge=False) | {flag: True}
+@pytest.mark.parametrize("setting", [dict(offload=True), dict(lora_sync="merged"), dict(lora_sync="adapter")])
+def test_vllm_only_settings_are_refused_with_the_hf_engine(setting):
+    settings = dict(offload=False, lora_sync="auto") | setting
     with pytest.raises(ValueError, match="act on the vllm engine only"):
         check_rollout("hf", 1.0, 1.0, 0, **settings)
 
