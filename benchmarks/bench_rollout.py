@@ -9,12 +9,19 @@ seconds, also per billion parameters sent.
 
     python benchmarks/bench_rollout.py
     python benchmarks/bench_rollout.py --rollout-dtype float32 --prompts 128 --new-tokens 256
+
+With `--model-path smollm2`: the real model instead, on its demo's step (8 times-table prompts x 8 samples, at most
+16 new tokens, a LoRA adapter of rank 16), with `hf`, and with vllm serving the adapter and receiving it merged:
+seconds of weight sync and of generation per call, each the slowest rank's.
+
+    python benchmarks/bench_rollout.py --model-path smollm2 --rollout-dtype float32
 """
 
 import argparse
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +68,15 @@ def build_model(path: str) -> None:
 
 
 class TimedPolicy(PolicyWorker):
+    def timed_generate(self, data: DataProto, **sampling) -> tuple[float, float, int]:
+        """Seconds of weight sync, then of generation, and the tokens generated, of one rollout as a step runs it."""
+        start = time.perf_counter()
+        if hasattr(self.rollout, "sync_weights"):
+            self.rollout.sync_weights()
+        synced = time.perf_counter()
+        output = self.generate(data, **sampling)
+        return synced - start, time.perf_counter() - synced, int(output["response_mask"].sum())
+
     def time_sync(self) -> tuple[float, int]:
         """Seconds for one weight sync to the engine, and the parameters it sent."""
         sent = (
@@ -78,6 +94,36 @@ def prompts(count: int, length: int, seed: int) -> DataProto:
     return DataProto.from_dict({"prompts": ids, "prompt_mask": torch.ones_like(ids)})
 
 
+def real_model(args, pool) -> None:
+    """The engines on a packaged real model's demo step, LoRA adapter served or merged."""
+    from transformers import AutoTokenizer
+
+    from common import demo, pretrained
+    from common.data import collate, load_prompts
+
+    model_path = pretrained.prepare(args.model_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    settings = demo.TIMES_TABLES_DEFAULTS
+    _, train_file, _ = demo.prepare("times_tables")
+    prompts = load_prompts([train_file], tokenizer, settings["max_prompt_length"])[: settings["train_batch_size"]]
+    batch = collate(prompts, tokenizer.pad_token_id).repeat(settings["n"]).select("prompts", "prompt_mask")
+    lora = dict(lora_rank=settings["lora_rank"], lora_alpha=settings["lora_alpha"])
+    common = dict(model_path=model_path, use_reference=False, rollout_dtype=args.rollout_dtype, **lora)
+    print(f"{len(batch)} sequences, at most {settings['max_response_length']} new tokens, LoRA rank {lora['lora_rank']}")
+    print("| engine | weight sync | generate | step's rollout | new tokens |")
+    print("|---|---|---|---|---|")
+    for engine, sync in (("hf", "auto"), ("vllm", "adapter"), ("vllm", "merged")):
+        name = engine if engine == "hf" else f"vllm {args.rollout_dtype}, --lora-sync {sync}"
+        policy = WorkerGroup(TimedPolicy, pool, name, rollout_engine=engine, lora_sync=sync, **common)
+        rollout = partial(policy.scatter, "timed_generate", batch, max_response_length=settings["max_response_length"])
+        rollout()  # a warm-up call, not timed
+        calls = [rollout() for _ in range(args.repeats)]
+        sync, generate = (float(np.mean([max(rank[i] for rank in call) for call in calls])) for i in (0, 1))
+        tokens = np.mean([sum(rank[2] for rank in call) for call in calls])
+        print(f"| {name} | {sync:.1f} s | {generate:.1f} s | {sync + generate:.1f} s | {tokens:.0f} |", flush=True)
+        policy.shutdown()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=64, help="sequences per generate call (prompts x samples)")
@@ -89,12 +135,17 @@ def main():
     parser.add_argument(
         "--rollout-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="what the vllm engine computes in"
     )
+    parser.add_argument("--model-path", choices=["smollm2"], help="a packaged real model's demo step instead (see above)")
     args = parser.parse_args()
 
-    model_path = tempfile.mkdtemp(prefix="bench_rollout_")
-    build_model(model_path)
     init_ray()
     pool = ResourcePool(args.num_workers, use_gpu=ray.cluster_resources().get("GPU", 0) > 0)
+    if args.model_path:
+        real_model(args, pool)
+        pool.shutdown()
+        return
+    model_path = tempfile.mkdtemp(prefix="bench_rollout_")
+    build_model(model_path)
     batch = prompts(args.prompts, args.prompt_length, seed=0)
     max_model_len = args.prompt_length + args.new_tokens
     settings = dict(model_path=model_path, use_reference=False, max_model_len=max_model_len, rollout_dtype=args.rollout_dtype)
@@ -117,7 +168,8 @@ def main():
             report_sync(policy, "every weight", args.repeats)
         policy.shutdown()
     print(f"vllm / hf: {speed['vllm'] / speed['hf']:.2f}x")
-    adapter = WorkerGroup(TimedPolicy, pool, "adapter", rollout_engine="vllm", lora_rank=args.lora_rank, **settings)
+    lora = dict(lora_rank=args.lora_rank, lora_sync="adapter")
+    adapter = WorkerGroup(TimedPolicy, pool, "adapter", rollout_engine="vllm", **lora, **settings)
     report_sync(adapter, f"the rank-{args.lora_rank} LoRA adapter", args.repeats)
     adapter.shutdown()
     pool.shutdown()

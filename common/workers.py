@@ -454,7 +454,7 @@ class FSDPWorker:
 
 def compute_dtype_for(name: str, device: torch.device) -> torch.dtype:
     """`name` as a dtype; "auto": bf16 where the hardware computes it natively (GPUs, CPUs with AVX512-BF16 or AMX),
-    where a forward and backward take several times less than in fp32, and fp32 elsewhere, where bf16 is emulated."""
+    and fp32 elsewhere, where bf16 is emulated."""
     if name != "auto":
         return getattr(torch, name)
     if device.type == "cuda":
