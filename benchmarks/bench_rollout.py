@@ -109,6 +109,7 @@ def real_model(args, pool) -> None:
     batch = collate(prompts, tokenizer.pad_token_id).repeat(settings["n"]).select("prompts", "prompt_mask")
     lora = dict(lora_rank=settings["lora_rank"], lora_alpha=settings["lora_alpha"])
     common = dict(model_path=model_path, use_reference=False, rollout_dtype=args.rollout_dtype, **lora)
+    common["max_model_len"] = settings["max_prompt_length"] + settings["max_response_length"]  # as the scripts size it
     print(f"{len(batch)} sequences, at most {settings['max_response_length']} new tokens, LoRA rank {lora['lora_rank']}")
     print("| engine | weight sync | generate | step's rollout | new tokens |")
     print("|---|---|---|---|---|")

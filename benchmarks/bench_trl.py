@@ -38,9 +38,15 @@ def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
 def run_hybridrl(steps: int, env: dict, extra_flags: list[str]) -> dict:
     """The GRPO script's own per-phase timers, from its metrics.jsonl; the peak memory of its driver and workers."""
     folder = Path(tempfile.mkdtemp(prefix="bench_trl_hybridrl_"))
-    flags = ["--model-path", "smollm2", "--total-steps", str(steps), "--no-val-before-train", *extra_flags]
-    run([sys.executable, str(ROOT / "algos" / "grpo_hybrid.py"), *flags], cwd=folder, env=env)
-    driver_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # the script, the only child so far
+    flags = ["--model-path", "smollm2", "--total-steps", str(steps), "--test-freq", str(steps), "--no-val-before-train"]
+    flags += extra_flags
+    # The script under runpy, to read its own peak: its Ray workers are its children, which RUSAGE_CHILDREN would count.
+    measured = (
+        "import resource, runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__'); "
+        "print('driver peak kB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    )
+    result = run([sys.executable, "-c", measured, str(ROOT / "algos" / "grpo_hybrid.py"), *flags], cwd=folder, env=env)
+    driver_gb = int(result.stdout.split("driver peak kB")[-1]) / 2**20
     [run_dir] = (folder / "runs").iterdir()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
     phases = sorted({key for row in rows for key in row if key.startswith("timing/")} - {"timing/validate", "timing/save"})

@@ -237,7 +237,7 @@ class VLLMRollout:
     ):
         """The engine loads the base weights from `model_path`; with LoRA it serves the policy's adapter on top
         of them, or receives the adapter merged into every weight: `lora_sync` "adapter" or "merged"; "auto" merges on
-        CPUs, where vLLM's LoRA kernels cost more than the model (3.7x the generation time on SmolLM2-135M), and sends
+        CPUs, where vLLM's LoRA kernels cost more than the model (3.4x the generation time on SmolLM2-135M), and sends
         the adapter on GPUs. `offload` moves the policy's
         weights and optimiser state to CPU memory while the engine generates (on GPUs)."""
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not every reload and cache reset at INFO
