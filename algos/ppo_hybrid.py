@@ -230,7 +230,8 @@ if __name__ == "__main__":
 
     args = tyro.cli(Args)
     if args.model_path is None or not args.train_files:
-        args = demo.apply(Args, args, lr=3e-4, train_batch_size=64, mini_batch_size=16, total_steps=400, critic_lr=1e-3)
+        demo_settings = dict(lr=3e-4, train_batch_size=64, mini_batch_size=16, total_steps=400, critic_lr=1e-3, kl_coef=0.2)
+        args = demo.apply(Args, args, **demo_settings)
     # The critic shares each accelerator with the policy: two worker groups per accelerator.
     run = Run("ppo", args, worker_groups=2)
     policy = run.policy(use_reference=args.kl_coef > 0)

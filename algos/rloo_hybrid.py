@@ -161,7 +161,7 @@ if __name__ == "__main__":
 
     args = tyro.cli(Args)
     if args.model_path is None or not args.train_files:
-        args = demo.apply(Args, args, lr=3e-4, train_batch_size=64, mini_batch_size=16, total_steps=400)
+        args = demo.apply(Args, args, lr=3e-4, train_batch_size=64, mini_batch_size=16, total_steps=400, kl_coef=0.2)
     if args.n < 2 and not args.single_sample_groups:
         raise ValueError(
             f"--n {args.n}: the advantage compares each response with the others sampled for its prompt, so a group "

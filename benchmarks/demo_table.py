@@ -9,6 +9,8 @@ real model's demo (the times tables): the model is converted into the fresh cach
     python benchmarks/demo_table.py
     python benchmarks/demo_table.py --algos grpo gspo --seeds 1 --extra-flags --rollout-engine vllm
     python benchmarks/demo_table.py --model-path smollm2 --algos grpo rloo
+
+benchmarks/demo_spread.py runs the same demos from other warm starts, as another CPU would give them.
 """
 
 import argparse
@@ -19,6 +21,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from plot_runs import plot
 
 ROOT = Path(__file__).resolve().parents[1]
 ALGOS = ["grpo", "dapo", "ppo", "rloo", "reinforcepp", "gspo"]
@@ -49,7 +53,19 @@ def run_demo(algo: str, seed: int, extra_flags: list[str], env: dict) -> dict:
     [run_dir] = (folder / "runs").iterdir()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     validations = [row["val/accuracy"] for row in rows if "val/accuracy" in row]
-    return dict(before=validations[0], after=validations[-1], wall=wall, steps=rows[-1]["step"])
+    return dict(before=validations[0], after=validations[-1], wall=wall, steps=rows[-1]["step"], run_dir=run_dir)
+
+
+def fresh_cache(model_seed: int | None = None) -> dict:
+    """A new $HYBRIDRL_CACHE with the demo built in it (from `model_seed`'s initialisation, if given): the
+    environment to run the scripts in."""
+    cache = tempfile.mkdtemp(prefix="hybridrl_cache_")
+    env = {**os.environ, "HYBRIDRL_CACHE": cache}
+    started = time.perf_counter()
+    seed = "" if model_seed is None else f"model_seed={model_seed}"
+    subprocess.run([sys.executable, "-c", f"from common import demo; demo.prepare({seed})"], cwd=ROOT, env=env, check=True)
+    print(f"fresh demo cache {cache} built in {time.perf_counter() - started:.0f} s", flush=True)
+    return env
 
 
 if __name__ == "__main__":
@@ -57,15 +73,12 @@ if __name__ == "__main__":
     parser.add_argument("--algos", nargs="+", default=ALGOS, choices=ALGOS, help="algorithms to run")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3], help="seeds to run each algorithm with")
     parser.add_argument("--model-path", help="a packaged real model (smollm2) for its demo, instead of the tiny one")
+    parser.add_argument("--plot", type=Path, default=Path("demo_table.png"), help="the picture of the runs to write")
     parser.add_argument("--extra-flags", nargs=argparse.REMAINDER, default=[], help="flags added to every run (last)")
     args = parser.parse_args()
 
     print(machine(), flush=True)
-    cache = tempfile.mkdtemp(prefix="hybridrl_cache_")
-    env = {**os.environ, "HYBRIDRL_CACHE": cache}
-    started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "from common import demo; demo.prepare()"], cwd=ROOT, env=env, check=True)
-    print(f"fresh demo cache {cache} built in {time.perf_counter() - started:.0f} s", flush=True)
+    env = fresh_cache()
     if args.model_path:
         started = time.perf_counter()
         subprocess.run([sys.executable, "-m", "common.pretrained", args.model_path], cwd=ROOT, env=env, check=True)
@@ -78,10 +91,11 @@ if __name__ == "__main__":
     for algo in args.algos:
         for seed in args.seeds:
             result = run_demo(algo, seed, args.extra_flags, env)
-            results.append(result["after"])
+            results.append(result)
             print(
                 f"| {algo} | {seed} | {result['before']:.0%} | {result['after']:.0%} | {result['wall']:.0f} s "
                 f"({result['steps']} steps) |",
                 flush=True,
             )
-    print(f"lowest final accuracy: {min(results):.0%}")
+    print(f"lowest final accuracy: {min(result['after'] for result in results):.0%}")
+    plot([result["run_dir"] for result in results], args.plot, machine())

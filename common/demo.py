@@ -8,6 +8,17 @@ ones the warm start never saw. The tasks: single-digit addition, and with
 alone but can with the calculator tool (common/envs.py). Everything is cached
 on disk under $HYBRIDRL_CACHE (default ~/.cache/hybridrl), so a second run
 starts at once.
+
+The addition warm start also teaches the model what it does not know: on the
+held-out prompts it learns to spread its guesses evenly over the 19 answers (0
+to 18), so that no held-out answer is ever shown as the right one. A warm start
+on the known half alone guesses the other half with a confidence that hangs on
+the floats of the initialisation, hence on the CPU: where it was confidently
+wrong, RL never sampled the right answer, and the run ended near 80% on one CPU
+and 92% on another. Spread evenly, every answer is sampled from the first step
+on any CPU, and the scripts' demos keep the policy near that reference (a KL
+coefficient of 0.2) so that a problem RL has not solved yet stays open instead
+of collapsing onto a wrong answer.
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-CACHE_VERSION = "demo-v2"
+CACHE_VERSION = "demo-v3"
 CALCULATOR_CACHE_VERSION = "calculator-v1"
 DEMO_SEED = 0
 WARM_START_STEPS = 150
@@ -38,8 +49,9 @@ def addition_problems() -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     return problems[:50], problems[50:]
 
 
-def build_tiny_model(path: str) -> None:
-    """A character-level tokenizer and a small random Qwen2, saved as an ordinary HF folder."""
+def build_tiny_model(path: str, seed: int = DEMO_SEED) -> None:
+    """A character-level tokenizer and a small Qwen2 initialised at random from `seed`, saved as an ordinary HF
+    folder."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -64,7 +76,7 @@ def build_tiny_model(path: str) -> None:
         eos_token_id=vocab["<eos>"],
         bos_token_id=None,
     )
-    torch.manual_seed(DEMO_SEED)
+    torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     model.generation_config.eos_token_id = vocab["<eos>"]
     model.generation_config.pad_token_id = vocab["<pad>"]
@@ -146,32 +158,45 @@ def write_task(path: Path, problems: list[tuple[int, int]], operator: str = "+",
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
-def build_addition(folder: Path) -> None:
+def build_addition(folder: Path, model_seed: int) -> None:
     warm, held_out = addition_problems()
-    build_tiny_model(str(folder / "model"))
-    warm_start(str(folder / "model"), [(f"{a}+{b}=", [(str(a + b), True)]) for a, b in warm], WARM_START_STEPS)
+    build_tiny_model(str(folder / "model"), model_seed)
+    known = [(f"{a}+{b}=", [(str(a + b), True)]) for a, b in warm]
+    # First its half alone, which sets the prompts apart: started on both halves at once, the model stayed on the
+    # even spread for every prompt from one initialisation in four.
+    warm_start(str(folder / "model"), known, WARM_START_STEPS)
+    # Then each held-out prompt once with every answer 0..18 and each known problem as often, so that every prompt
+    # weighs the same: the model keeps its half and spreads its guesses evenly over the answers on the other.
+    answers = range(19)
+    unknown = [(f"{a}+{b}=", [(str(answer), True)]) for a, b in held_out for answer in answers]
+    warm_start(str(folder / "model"), known * len(answers) + unknown, WARM_START_STEPS)
     write_task(folder / "train.parquet", warm + held_out)
     write_task(folder / "val.parquet", held_out)
 
 
-def build_calculator(folder: Path) -> None:
+def build_calculator(folder: Path, model_seed: int) -> None:
     warm, held_out = multiplication_problems()
-    build_tiny_model(str(folder / "model"))
+    build_tiny_model(str(folder / "model"), model_seed)
     examples = [(f"{a}*{b}=", calculator_transcript(a, b)) for a, b in warm]
     warm_start(str(folder / "model"), examples, CALCULATOR_WARM_START_STEPS)
     write_task(folder / "train.parquet", warm + held_out, "*")
     write_task(folder / "val.parquet", held_out, "*")
 
 
-def build_times_tables(folder: Path) -> None:
+def build_times_tables(folder: Path, model_seed: int) -> None:
+    """The task files only: the model is a real one (common/pretrained.py), so `model_seed` has no use here."""
     train, held_out = times_tables_problems()
     write_task(folder / "train.parquet", train, "*", data_source="times_tables")
     write_task(folder / "val.parquet", held_out, "*", data_source="times_tables")
 
 
-def prepare(task: str = "addition") -> tuple[str, str, str]:
+def prepare(task: str = "addition", model_seed: int = DEMO_SEED) -> tuple[str, str, str]:
     """Build (or reuse) the files of `task` ("addition", "calculator" or "times_tables") and, but for the times
-    tables (a real model's task), the warm-started tiny model: (model, train file, val file)."""
+    tables (a real model's task), the warm-started tiny model: (model, train file, val file).
+
+    `model_seed` draws another random initialisation of the tiny model, hence another warm-started model, as another
+    CPU's floats would: benchmarks/demo_spread.py builds such starts, each in a cache folder of its own
+    ($HYBRIDRL_CACHE), since the scripts take whatever model the cache holds."""
     from common.pretrained import cache_root
 
     root = cache_root()
@@ -182,7 +207,7 @@ def prepare(task: str = "addition") -> tuple[str, str, str]:
         root.mkdir(parents=True, exist_ok=True)
         # Built in a scratch folder and renamed when whole, so a crash never leaves a half cache.
         scratch = Path(tempfile.mkdtemp(dir=root))
-        build[task](scratch)
+        build[task](scratch, model_seed)
         try:
             os.rename(scratch, ready)
         except OSError:  # another process finished first

@@ -12,7 +12,8 @@ from pathlib import Path
 
 
 class Tracker:
-    """Appends every step's metrics to runs/<run name>/metrics.jsonl, and to wandb when given a project."""
+    """Appends every step's metrics to runs/<run name>/metrics.jsonl, each row with its step and the time it was
+    logged (`wall_time`, seconds since the epoch, for curves against wall time), and to wandb when given a project."""
 
     def __init__(
         self,
@@ -65,7 +66,7 @@ class Tracker:
                 self.wandb.save(str(self.run_dir / "code" / code["copy"]), base_path=str(self.run_dir), policy="now")
 
     def log(self, metrics: dict, step: int) -> None:
-        self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.metrics_file.write(json.dumps({"step": step, "wall_time": time.time(), **metrics}) + "\n")
         self.metrics_file.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)

@@ -1,0 +1,44 @@
+"""benchmarks/plot_runs.py draws runs from the files every script writes: two real runs of one experiment."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_scripts import SMALL_RUN, metrics_of, run_script
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from plot_runs import curves, load_run, plot  # noqa: E402
+
+
+def test_two_seeds_draw_as_one_experiment_with_their_spread(demo_files, tmp_path):
+    folders = []
+    for seed in ("1", "2"):
+        (tmp_path / seed).mkdir()
+        flags = [*SMALL_RUN[:-2], "--num-workers", "1", "--in-process", "--seed", seed]
+        result = run_script("grpo_hybrid.py", *flags, cwd=tmp_path / seed)
+        assert result.returncode == 0, result.stderr[-3000:]
+        folders.append(metrics_of(tmp_path / seed)[0])
+    runs = [load_run(folder) for folder in folders]
+    assert {name for name, _ in runs} == {"grpo_hybrid"}
+    rewards = curves([rows for _, rows in runs], "train/reward_mean")
+    assert rewards["step"] == [1, 2]
+    for i, step in enumerate(rewards["step"]):
+        values = [next(row["train/reward_mean"] for row in rows if row["step"] == step) for _, rows in runs]
+        assert rewards["mean"][i] == pytest.approx(sum(values) / 2)
+        assert (rewards["low"][i], rewards["high"][i]) == (min(values), max(values))
+        assert rewards["elapsed"][i] > 0  # after the first validation, the run's first row
+    assert curves([rows for _, rows in runs], "val/accuracy")["step"] == [0, 1, 2]
+
+    plot(folders, tmp_path / "runs.png", "two seeds")
+    assert (tmp_path / "runs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_run_logged_before_wall_time_is_named(demo_files, tmp_path):
+    old = tmp_path / "old_run"
+    old.mkdir()
+    (old / "config.json").write_text(json.dumps({"exp_name": "grpo_hybrid"}))
+    (old / "metrics.jsonl").write_text(json.dumps({"step": 0, "val/accuracy": 0.5}) + "\n")
+    with pytest.raises(ValueError, match="old_run/metrics.jsonl has no wall_time in its rows"):
+        load_run(old)
