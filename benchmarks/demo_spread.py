@@ -15,7 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from demo_table import ALGOS, fresh_cache, machine, run_demo
-from plot_runs import plot
+from plot_runs import plot, require_matplotlib
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -25,6 +25,7 @@ if __name__ == "__main__":
     parser.add_argument("--plot", type=Path, default=Path("demo_spread.png"), help="the picture of the runs to write")
     parser.add_argument("--extra-flags", nargs=argparse.REMAINDER, default=[], help="flags added to every run (last)")
     args = parser.parse_args()
+    require_matplotlib()
 
     print(machine(), flush=True)
     environments = {start: fresh_cache(start) for start in args.starts}

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from plot_runs import plot
+from plot_runs import plot, require_matplotlib
 
 ROOT = Path(__file__).resolve().parents[1]
 ALGOS = ["grpo", "dapo", "ppo", "rloo", "reinforcepp", "gspo"]
@@ -76,6 +76,7 @@ if __name__ == "__main__":
     parser.add_argument("--plot", type=Path, default=Path("demo_table.png"), help="the picture of the runs to write")
     parser.add_argument("--extra-flags", nargs=argparse.REMAINDER, default=[], help="flags added to every run (last)")
     args = parser.parse_args()
+    require_matplotlib()
 
     print(machine(), flush=True)
     env = fresh_cache()

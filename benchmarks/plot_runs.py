@@ -10,11 +10,18 @@ seeds), the band around it spans the lowest to the highest. Wall time is the tim
 """
 
 import argparse
+import importlib.util
 import json
 from collections import defaultdict
 from pathlib import Path
 
 PANELS = [("val/accuracy", "held-out accuracy"), ("train/reward_mean", "training reward")]
+
+
+def require_matplotlib() -> None:
+    """Stop at once, not after hours of runs, when the picture could not be drawn."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise SystemExit("drawing the runs needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')")
 
 
 def load_run(folder: Path) -> tuple[str, list[dict]]:
@@ -77,4 +84,5 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, default=Path("runs.png"), help="the picture to write")
     parser.add_argument("--title", default="", help="a title above the panels")
     args = parser.parse_args()
+    require_matplotlib()
     plot(args.folders, args.out, args.title)

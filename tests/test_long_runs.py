@@ -46,9 +46,11 @@ def metric_rows(run_dir):
 
 
 def comparable(row):
-    """Training metrics: not timings, and not validation (the shorter run validates at its last step)."""
+    """Training metrics: not times, and not validation (the shorter run validates at its last step)."""
     return {
-        k: v for k, v in row.items() if not k.startswith(("timing/", "perf/", "val/")) and not k.endswith("peak_memory_gb")
+        k: v
+        for k, v in row.items()
+        if not k.startswith(("timing/", "perf/", "val/")) and not k.endswith("peak_memory_gb") and k != "wall_time"
     }
 
 
