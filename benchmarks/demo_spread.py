@@ -14,7 +14,7 @@ import argparse
 from collections import defaultdict
 from pathlib import Path
 
-from demo_table import ALGOS, fresh_cache, machine, run_demo
+from demo_table import ALGOS, fresh_cache, machine, run_demo, table_cells
 from plot_runs import plot, require_matplotlib
 
 if __name__ == "__main__":
@@ -37,11 +37,7 @@ if __name__ == "__main__":
             for seed in args.seeds:
                 result = run_demo(algo, seed, args.extra_flags, environments[start])
                 results[algo].append(result)
-                print(
-                    f"| {algo} | {start} | {seed} | {result['before']:.0%} | {result['after']:.0%} | "
-                    f"{result['wall']:.0f} s ({result['steps']} steps) |",
-                    flush=True,
-                )
+                print(f"| {algo} | {start} | {seed} | {table_cells(result)} |", flush=True)
     print("\n| algorithm | runs | before | after | smallest lift | longest run |")
     print("|---|---|---|---|---|---|")
     for algo, runs in results.items():

@@ -56,6 +56,11 @@ def run_demo(algo: str, seed: int, extra_flags: list[str], env: dict) -> dict:
     return dict(before=validations[0], after=validations[-1], wall=wall, steps=rows[-1]["step"], run_dir=run_dir)
 
 
+def table_cells(result: dict) -> str:
+    """A run's markdown cells: held-out accuracy before, after, and its wall time with its steps."""
+    return f"{result['before']:.0%} | {result['after']:.0%} | {result['wall']:.0f} s ({result['steps']} steps)"
+
+
 def fresh_cache(model_seed: int | None = None) -> dict:
     """A new $HYBRIDRL_CACHE with the demo built in it (from `model_seed`'s initialisation, if given): the
     environment to run the scripts in."""
@@ -93,10 +98,6 @@ if __name__ == "__main__":
         for seed in args.seeds:
             result = run_demo(algo, seed, args.extra_flags, env)
             results.append(result)
-            print(
-                f"| {algo} | {seed} | {result['before']:.0%} | {result['after']:.0%} | {result['wall']:.0f} s "
-                f"({result['steps']} steps) |",
-                flush=True,
-            )
+            print(f"| {algo} | {seed} | {table_cells(result)} |", flush=True)
     print(f"lowest final accuracy: {min(result['after'] for result in results):.0%}")
     plot([result["run_dir"] for result in results], args.plot, machine())
