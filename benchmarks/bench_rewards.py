@@ -21,7 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.rewards import InProcessRewards, RewardProcesses, load_reward_fn  # noqa: E402
+from common.isolation import CallProcesses, InProcessCalls  # noqa: E402
+from common.rewards import REWARD_CALLS, load_reward_fn  # noqa: E402
 
 
 def long_answer(rng: random.Random) -> tuple[str, str]:
@@ -76,10 +77,10 @@ if __name__ == "__main__":
     for name, spec in rewards.items():
         source = "math" if spec is None else "remote"
         samples = [(source, text, truth, {}) for text, truth in answers]
-        baseline = throughput(InProcessRewards(load_reward_fn(spec), timeout=10), samples)
+        baseline = throughput(InProcessCalls(load_reward_fn(spec), spec, REWARD_CALLS, timeout=10), samples)
         print(f"{name:<8} {'0 (driver)':>10} {baseline:>12.1f} {1.0:>8.2f}x")
         for workers in args.workers:
-            pool = RewardProcesses(spec, workers, timeout=10)
+            pool = CallProcesses(spec, workers, REWARD_CALLS, timeout=10)
             try:
                 rate = throughput(pool, samples)
             finally:

@@ -175,9 +175,10 @@ class Run:
 
         from common.checkpoint import check_config, find_checkpoint
         from common.data import PromptLoader, check_batch_sizes, load_prompts
-        from common.envs import call_env, load_env
+        from common.envs import ENV_CALLS, load_env
+        from common.isolation import CallProcesses, InProcessCalls
         from common.pretrained import resolve as resolve_model
-        from common.rewards import InProcessRewards, RewardProcesses, check_data_sources, load_reward_fn
+        from common.rewards import REWARD_CALLS, check_data_sources, load_reward_fn
         from common.rollout import check_rollout, eos_token_ids
         from common.tracking import Tracker
 
@@ -242,14 +243,14 @@ class Run:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # not on macOS
             reward_workers = 0 if args.in_process else min(cores, 16)
         if reward_workers:
-            self.rewards = RewardProcesses(args.reward_fn, reward_workers, args.reward_timeout)
+            self.rewards = CallProcesses(args.reward_fn, reward_workers, REWARD_CALLS, args.reward_timeout)
         else:
-            self.rewards = InProcessRewards(self.reward_fn, args.reward_timeout)
+            self.rewards = InProcessCalls(self.reward_fn, args.reward_fn, REWARD_CALLS, args.reward_timeout)
         self.env_calls = None
         if args.env and reward_workers:
-            self.env_calls = RewardProcesses(args.env, reward_workers, args.reward_timeout, kind="env")
+            self.env_calls = CallProcesses(args.env, reward_workers, ENV_CALLS, args.reward_timeout)
         elif args.env:
-            self.env_calls = InProcessRewards(self.env_cls, args.reward_timeout, call=call_env)
+            self.env_calls = InProcessCalls(self.env_cls, args.env, ENV_CALLS, args.reward_timeout)
         self.pool = None
         if not args.in_process:
             init_ray()

@@ -12,8 +12,8 @@ from ray import cloudpickle
 
 from common.data import collate
 from common.dataproto import DataProto
-from common.envs import AnswerFraming, Calculator, call_env, load_env, run_episodes, stop_end
-from common.rewards import REPORTED_FAILURES, InProcessRewards, RewardProcesses
+from common.envs import ENV_CALLS, AnswerFraming, Calculator, call_env, load_env, run_episodes, stop_end
+from common.isolation import REPORTED_FAILURES, CallProcesses, InProcessCalls
 from common.workers import WorkerGroup
 from test_workers import LOG_PROB_INPUTS, PolicyProbe
 
@@ -124,7 +124,7 @@ def turn_by_turn_log_probs(policy, batch, tokenizer) -> list[torch.Tensor]:
 
 
 def test_the_models_tokens_score_alike_in_one_pass_and_turn_by_turn(policy, prompts, tokenizer, eos, env_file):
-    env_calls = RewardProcesses(f"{env_file}:Chatty", 2, timeout=30, kind="env")
+    env_calls = CallProcesses(f"{env_file}:Chatty", 2, ENV_CALLS, timeout=30)
     try:
         batch = play(policy, prompts[[1, 2, 3]], env_calls, load_env(f"{env_file}:Chatty"), tokenizer, eos)
     finally:
@@ -155,7 +155,7 @@ def test_the_models_tokens_score_alike_in_one_pass_and_turn_by_turn(policy, prom
 
 
 def test_the_token_limit_and_the_turn_limit_end_episodes(policy, prompts, tokenizer, eos, env_file):
-    env_calls = InProcessRewards(load_env(f"{env_file}:Chatty"), timeout=30, call=call_env)
+    env_calls = InProcessCalls(load_env(f"{env_file}:Chatty"), f"{env_file}:Chatty", ENV_CALLS, timeout=30)
     short = play(policy, prompts[[1, 3]], env_calls, load_env(f"{env_file}:Chatty"), tokenizer, eos, 5, 5, n=8)
     assert (short["attention_mask"][:, -5:].sum(-1) <= 5).all()
     assert set(short["ending"]) == {"token_limit"}
@@ -169,7 +169,7 @@ def test_a_tool_that_raises_or_hangs_ends_its_episode_alone(policy, prompts, tok
     broken = [i for i, extra in enumerate(prompts["extra_info"]) if extra["a"] in (2, 4)]
     assert len(broken) == 2, "the demo's first prompts hold a = 2 and a = 4"
     REPORTED_FAILURES.clear()  # what earlier tests in this process printed
-    env_calls = RewardProcesses(f"{env_file}:Chatty", 2, timeout=2, kind="env")
+    env_calls = CallProcesses(f"{env_file}:Chatty", 2, ENV_CALLS, timeout=2)
     try:
         batch = play(policy, prompts[rows + broken], env_calls, load_env(f"{env_file}:Chatty"), tokenizer, eos, n=2)
     finally:
@@ -184,7 +184,7 @@ def test_a_tool_that_raises_or_hangs_ends_its_episode_alone(policy, prompts, tok
 
 
 def test_an_environments_score_ends_the_episode(policy, prompts, tokenizer, eos, env_file):
-    env_calls = InProcessRewards(load_env(f"{env_file}:Judge"), call=call_env)
+    env_calls = InProcessCalls(load_env(f"{env_file}:Judge"), f"{env_file}:Judge", ENV_CALLS)
     batch = play(policy, prompts[[0, 1]], env_calls, load_env(f"{env_file}:Judge"), tokenizer, eos)
     assert set(batch["ending"]) == {"by_env"} and set(batch["turns"]) == {1}
     assert batch["episode_score"].tolist() == [float(len(text)) for text in batch["final_turn"]]

@@ -15,7 +15,8 @@ import torch
 
 from common.checkpoint import complete_checkpoints, find_checkpoint, save_checkpoint
 from common.dataproto import DataProto
-from common.rewards import InProcessRewards, score
+from common.isolation import InProcessCalls
+from common.rewards import REWARD_CALLS, score
 from common.workers import PolicyWorker, WorkerDied, WorkerGroup
 from test_workers import PolicyProbe
 
@@ -256,7 +257,7 @@ def test_a_hanging_reward_is_cut_off(tokenizer):
         {"responses": responses}, {"data_source": ["addition"] * 2, "ground_truth": ["3", "12"], "extra_info": [{}, {}]}
     )
     started = time.time()
-    scores, metrics, _ = score(batch, tokenizer, InProcessRewards(slow, timeout=0.5))
+    scores, metrics, _ = score(batch, tokenizer, InProcessCalls(slow, "slow.py:slow", REWARD_CALLS, timeout=0.5))
     assert time.time() - started < 5
     assert scores.tolist() == [1.0, 0.0]
     assert metrics == {"reward/errors": 0, "reward/timeouts": 1}

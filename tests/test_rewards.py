@@ -1,18 +1,13 @@
-import mmap
-import subprocess
-import sys
-
 import numpy as np
 import psutil
 import pytest
 import torch
 
-from common import rewards
 from common.dataproto import DataProto
+from common.isolation import REPORTED_FAILURES, CallProcesses, InProcessCalls, UserCodeError
 from common.rewards import (
-    InProcessRewards,
+    REWARD_CALLS,
     RewardError,
-    RewardProcesses,
     check_data_sources,
     default_reward,
     extra_means,
@@ -49,7 +44,7 @@ def batch_of(tokenizer, texts, truths, source="addition"):
 
 def test_score_builtin(tokenizer):
     batch = batch_of(tokenizer, ["3", "12", "4"], ["3", "12", "5"])
-    for scorer in InProcessRewards(default_reward), RewardProcesses(None, 2):
+    for scorer in InProcessCalls(default_reward, None, REWARD_CALLS), CallProcesses(None, 2, REWARD_CALLS):
         scores, metrics, _ = score(batch, tokenizer, scorer)
         scorer.close()
         assert scores.tolist() == [1.0, 1.0, 0.0]
@@ -66,14 +61,14 @@ def test_user_reward_from_file_and_a_raising_one(tmp_path, tokenizer):
         "    return 1.0\n"
     )
     spec = f"{tmp_path}/my_reward.py:length_reward"
-    for scorer in InProcessRewards(load_reward_fn(spec)), RewardProcesses(spec, 2):
+    for scorer in InProcessCalls(load_reward_fn(spec), spec, REWARD_CALLS), CallProcesses(spec, 2, REWARD_CALLS):
         scores, _, extras = score(batch_of(tokenizer, ["3", "12"], ["3", "12"]), tokenizer, scorer)
         scorer.close()
         assert scores.tolist() == [1.0, 2.0]
         assert extras == [{"note": "x", "exact": 1}, {"note": "x", "exact": 0}]  # the keys beside "score", per response
         assert extra_means(extras, "reward/") == {"reward/exact": 0.5}  # numbers only
     spec = f"{tmp_path}/my_reward.py:picky"
-    for scorer in InProcessRewards(load_reward_fn(spec)), RewardProcesses(spec, 2):
+    for scorer in InProcessCalls(load_reward_fn(spec), spec, REWARD_CALLS), CallProcesses(spec, 2, REWARD_CALLS):
         scores, metrics, _ = score(batch_of(tokenizer, ["3", "12", "7"], ["3", "12", "7"]), tokenizer, scorer)
         scorer.close()
         assert scores.tolist() == [1.0, 0.0, 1.0]
@@ -119,14 +114,15 @@ def test_failures_are_printed_once_per_kind_and_too_many_stop_the_run(tokenizer,
             sys.exit(3)  # ends nothing: one failing sample
         return None if solution_str == "7" else 1.0
 
-    rewards.REPORTED_FAILURES.clear()  # what earlier tests in this process printed
+    REPORTED_FAILURES.clear()  # what earlier tests in this process printed
     batch = batch_of(tokenizer, ["3", "12", "7", "4"], ["3", "12", "7", "4"])
-    half_broken = InProcessRewards(half_broken)
+    half_broken = InProcessCalls(half_broken, "half_broken.py:half_broken", REWARD_CALLS)
     scores, metrics, _ = score(batch, tokenizer, half_broken, max_error_share=0.5)
     assert scores.tolist() == [1.0, 0.0, 0.0, 1.0] and metrics["reward/errors"] == 2
     printed = capsys.readouterr().err
     assert printed.count("the reward function failed for data_source 'addition'") == 2  # SystemExit and TypeError
-    assert "response '12'" in printed and "fix the reward function" in printed
+    assert "response '12'" in printed and "(the reward: half_broken.py:half_broken)" in printed
+    assert "fix the reward function" in printed
     score(batch, tokenizer, half_broken, max_error_share=0.5)
     assert capsys.readouterr().err == ""  # each kind once
     with pytest.raises(RewardError, match=r"failed for 2 of 4 samples, more than --max-reward-error-share 0.25 allows"):
@@ -152,8 +148,8 @@ def test_reward_processes_survive_what_a_reward_does(tmp_path, tokenizer, capsys
         "        return {'score': 1.0, 'how': lambda: 0}  # cannot be sent back\n"
         "    return {'score': 1.0, 'pid': os.getpid()}\n"
     )
-    rewards.REPORTED_FAILURES.clear()
-    pool = RewardProcesses(f"{tmp_path}/wild.py:score", 2, timeout=1.0)
+    REPORTED_FAILURES.clear()
+    pool = CallProcesses(f"{tmp_path}/wild.py:score", 2, REWARD_CALLS, timeout=1.0)
     try:
         texts = ["1", "2", "3", "4", "5", "6"] + ["7"] * 10  # sent two at a time: a killed call's partner goes again
         scores, metrics, extras = score(batch_of(tokenizer, texts, texts), tokenizer, pool)
@@ -184,7 +180,7 @@ def test_reward_processes_score_at_once(tmp_path, tokenizer):
         "        time.sleep(0.01)\n"
         "    return 0.0\n"
     )
-    pool = RewardProcesses(f"{tmp_path}/meet.py:score", 2, timeout=30)
+    pool = CallProcesses(f"{tmp_path}/meet.py:score", 2, REWARD_CALLS, timeout=30)
     try:
         scores, _, _ = score(batch_of(tokenizer, ["1", "2"], ["1", "2"]), tokenizer, pool)
     finally:
@@ -203,37 +199,9 @@ def test_a_reward_file_that_fails_in_the_processes_stops_the_run(tmp_path, token
     )
     spec = f"{tmp_path}/once.py:score"
     load_reward_fn(spec)  # the driver's check of --reward-fn
-    pool = RewardProcesses(spec, 1)
+    pool = CallProcesses(spec, 1, REWARD_CALLS)
     try:
-        with pytest.raises(RewardError, match=r"(?s)loading it in a reward process failed.*only loads once"):
+        with pytest.raises(UserCodeError, match=r"(?s)loading it in a reward process failed.*only loads once"):
             score(batch_of(tokenizer, ["1"], ["1"]), tokenizer, pool)
     finally:
         pool.close()
-
-
-def test_the_driver_never_reads_a_call_half_written(tmp_path):
-    """A reward process rewrites its current call while the driver reads it. A read between two field writes once
-    gave a start time of 0 and a timeout for a call that had just started (struct's pack_into zeroes first)."""
-    shared_file = tmp_path / "current_call"
-    shared_file.write_bytes(rewards.CURRENT_CALL.pack(1, 1.0))
-    writer = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import mmap, sys, time\n"
-            "from common.rewards import CURRENT_CALL, write_current_call\n"
-            "with open(sys.argv[1], 'r+b') as file:\n"
-            "    shared = mmap.mmap(file.fileno(), CURRENT_CALL.size)\n"
-            "end = time.monotonic() + 1\n"
-            "while time.monotonic() < end:\n"
-            "    write_current_call(shared, 1, 1.0)\n",
-            str(shared_file),
-        ]
-    )
-    with open(shared_file, "r+b") as file:
-        shared = mmap.mmap(file.fileno(), rewards.CURRENT_CALL.size)
-    reads = set()
-    while writer.poll() is None:
-        reads.add(rewards.CURRENT_CALL.unpack_from(shared))
-    assert writer.returncode == 0
-    assert reads == {(1, 1.0)}

@@ -17,8 +17,8 @@ import torch
 from ray import cloudpickle
 
 import grpo_hybrid
-from common.envs import call_env
-from common.rewards import InProcessRewards
+from common.envs import ENV_CALLS
+from common.isolation import InProcessCalls
 from common.rollout import rollout_logprob_gap
 from common.weight_sync import engine_weights
 from common.workers import WorkerGroup
@@ -122,7 +122,7 @@ class Countdown:
 
 
 def test_engine_plays_multi_turn_episodes(policy, prompts, tokenizer):
-    env_calls = InProcessRewards(Countdown, call=call_env)
+    env_calls = InProcessCalls(Countdown, "test_vllm.py:Countdown", ENV_CALLS)
     batch = play(
         policy, prompts, env_calls, Countdown, tokenizer, [tokenizer.eos_token_id], max_turns=4, max_response_length=10
     )
