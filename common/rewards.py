@@ -18,6 +18,7 @@ from statistics import fmean
 from typing import TYPE_CHECKING
 
 from common.isolation import REPORTED_FAILURES, CallKind, UserCodeError
+from common.sandbox import code_reward
 
 if TYPE_CHECKING:
     import torch
@@ -71,6 +72,7 @@ BUILTIN_REWARDS = {
     "gsm8k": gsm8k_reward,
     "openai/gsm8k": gsm8k_reward,
     "math": math_reward,
+    "code": code_reward,  # the response's program against the row's tests, in the sandbox
 }
 
 
