@@ -111,7 +111,7 @@ def render_prompt(messages: list[dict], tokenizer) -> str:
 
 def load_prompts(files: list[str], tokenizer, max_prompt_length: int, truncate: bool = False) -> DataProto:
     """Read, check and tokenise every row of `files`; raise on the first bad one."""
-    prompt_ids, data_sources, ground_truths, extra_infos, texts = [], [], [], [], []
+    prompt_ids, data_sources, ground_truths, extra_infos, texts, messages = [], [], [], [], [], []
     for path in data_files(files):
         for index, row in enumerate(read_rows(path)):
             check_row(row, path, index)
@@ -126,6 +126,7 @@ def load_prompts(files: list[str], tokenizer, max_prompt_length: int, truncate: 
                 ids = ids[-max_prompt_length:]
             prompt_ids.append(ids)
             texts.append(text)
+            messages.append(list(row["prompt"]))
             data_sources.append(row["data_source"])
             ground_truths.append(row["reward_model"]["ground_truth"])
             extra_infos.append(row.get("extra_info") or {})
@@ -133,6 +134,7 @@ def load_prompts(files: list[str], tokenizer, max_prompt_length: int, truncate: 
         non_tensors={
             "prompt_ids": prompt_ids,
             "prompt_text": texts,
+            "prompt_messages": messages,
             "data_source": data_sources,
             "ground_truth": ground_truths,
             "extra_info": extra_infos,

@@ -141,6 +141,13 @@ class RunArgs:
     scores 0 (0: no limit)"""
     max_reward_error_share: float = flag(0.5, resumable=True)
     """stop when the reward function fails for more than this share of a batch's responses (1: never)"""
+    reward_model: str | None = None
+    """a reward model (a ...ForSequenceClassification folder with one label) that scores every response; a row whose
+    data source has a rule scores rule + --reward-model-coef x the model's score, a row without one the model's alone"""
+    reward_model_coef: float = 1.0
+    """weight of the reward model's score beside a rule's"""
+    reward_model_workers: int = flag(0, resumable=True)
+    """0: the reward model shares the policy's accelerators (colocated); N: N workers of its own, placed apart"""
     test_freq: int = flag(25, resumable=True, positive=True)
     """validate every this many steps"""
     val_before_train: bool = flag(True, resumable=True)
@@ -201,21 +208,32 @@ class Run:
             )
         if args.reward_workers is not None and args.reward_workers < 0:
             raise ValueError(f"--reward-workers is {args.reward_workers}; use 0 to score in this process, or more")
+        if args.reward_model_workers < 0 or (args.reward_model_workers and args.in_process):
+            raise ValueError(
+                f"--reward-model-workers is {args.reward_model_workers}; use 0 to share the policy's accelerators (the "
+                "only choice with --in-process), or more to place the reward model apart"
+            )
         torch.manual_seed(args.seed)
         if not args.train_files:
             raise ValueError("--train-files is missing: name the prompt files to train on (verl-style parquet or jsonl)")
         args.model_path = resolve_model(args.model_path)
         self.tokenizer = load_tokenizer(args.model_path)
+        if args.reward_model is not None:
+            args.reward_model = resolve_model(args.reward_model)
+            self.reward_model_tokenizer = load_tokenizer(args.reward_model, "--reward-model")
+            check_reward_model(args.reward_model)
         self.eos_token_ids = eos_token_ids(args.model_path, self.tokenizer)
         pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.reward_fn = load_reward_fn(args.reward_fn)
         self.env_cls = load_env(args.env) if args.env else None
         train_data = load_prompts(args.train_files, self.tokenizer, args.max_prompt_length, args.truncate_prompts)
-        check_data_sources(train_data, self.reward_fn)
+        if args.reward_model is None:  # else rows without a rule are the reward model's alone
+            check_data_sources(train_data, self.reward_fn)
         val_data = train_data
         if args.val_files:
             val_data = load_prompts(args.val_files, self.tokenizer, args.max_prompt_length, args.truncate_prompts)
-            check_data_sources(val_data, self.reward_fn)
+            if args.reward_model is None:
+                check_data_sources(val_data, self.reward_fn)
         self.val_name = "held-out accuracy" if args.val_files else "accuracy on the training prompts (no --val-files)"
         batch_size = prompts_per_batch or args.train_batch_size
         if batch_size > len(train_data):
@@ -261,10 +279,33 @@ class Run:
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0
             if args.offload and not use_gpu:
                 raise ValueError("--offload frees GPU memory for the vllm engine; drop it on CPUs")
-            self.pool = ResourcePool(num_workers, use_gpu, max_colocated=worker_groups)
+            colocated = args.reward_model is not None and not args.reward_model_workers
+            self.pool = ResourcePool(num_workers, use_gpu, max_colocated=worker_groups + colocated)
+        self.reward_model, self.reward_model_pool = None, None
+        if args.reward_model is not None:
+            self._start_reward_model()
         self.groups, self.train_batches = {}, self.train_loader.forever()
         self.start_step, self.first_val, self.last_val, self.bad_steps = 1, None, None, 0
         self.resumed, self.stop, self.step_start, self.postfix, self.last_step = False, None, 0.0, {}, 0
+
+    def _start_reward_model(self) -> None:
+        """The reward model's group: on the run's accelerators, on --reward-model-workers of its own, or in this
+        process. It scores and never trains, so no checkpoint holds it."""
+        from common.workers import ResourcePool, RewardModelWorker, WorkerGroup
+
+        args, pool = self.args, self.pool
+        if args.reward_model_workers:
+            self.reward_model_pool = pool = ResourcePool(args.reward_model_workers, self.pool.use_gpu)
+        self.reward_model = WorkerGroup(
+            RewardModelWorker,
+            pool,
+            "reward_model",
+            model_path=args.reward_model,
+            micro_batch_size=args.micro_batch_size,
+            micro_batch_tokens=args.micro_batch_tokens,
+            seed=args.seed,
+            compute_dtype=args.compute_dtype,
+        )
 
     def workers(self, worker_cls, name: str, **settings):
         """A group of `worker_cls` on the run's accelerators (or in this process), set up with the run's model
@@ -336,26 +377,49 @@ class Run:
         return next(self.train_batches)
 
     def score(self, batch, metrics: dict):
-        """One score per response of `batch`; the reward's error and timeout counts are added to `metrics`, the other
-        keys it returned go to `batch["reward_extra"]` (logged as `reward/<key>` by end_step)."""
-        from common.rewards import score
+        """One score per response of `batch` (see _score_texts); the reward's error and timeout counts are added to
+        `metrics`, the other keys go to `batch["reward_extra"]` (logged as `reward/<key>` by end_step)."""
+        import torch
 
-        scores, counts, batch["reward_extra"] = score(batch, self.tokenizer, self.rewards, self.args.max_reward_error_share)
+        from common.rewards import response_texts
+
+        scores, counts, batch["reward_extra"] = self._score_texts(response_texts(batch, self.tokenizer), batch)
         for key, value in counts.items():
             metrics[key] = metrics.get(key, 0) + value
-        return scores
+        return torch.tensor(scores, dtype=torch.float32)
+
+    def _score_texts(self, texts: list[str], batch) -> tuple[list[float], dict, list[dict]]:
+        """Each response's score, the reward's error and timeout counts, and per response the keys beside its score:
+        the rule's (common/rewards.py), or with --reward-model the rule's and the model's as common/reward_model.py
+        combines them, the model's under `model` and the rule's under `rule`."""
+        import numpy as np
+
+        from common.reward_model import combine, render_conversations, reward_model_batch
+        from common.rewards import BUILTIN_REWARDS, score_texts
+
+        args = self.args
+        if self.reward_model is None:
+            return score_texts(texts, batch, self.rewards, args.max_reward_error_share)
+        ruled = np.array([i for i, source in enumerate(batch["data_source"]) if args.reward_fn or source in BUILTIN_REWARDS])
+        rule_scores, counts, rule_extras = [], {"reward/errors": 0, "reward/timeouts": 0}, []
+        if len(ruled):
+            ruled_texts = [texts[i] for i in ruled]
+            rule_scores, counts, rule_extras = score_texts(
+                ruled_texts, batch[ruled], self.rewards, args.max_reward_error_share
+            )
+        tokenizer = self.reward_model_tokenizer
+        conversations = render_conversations(batch["prompt_messages"], texts, tokenizer)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+        model_scores = self.reward_model.scatter("compute_rm_score", reward_model_batch(conversations, pad))["rm_scores"]
+        extras = [{"model": score} for score in model_scores.tolist()]
+        for i, rule, extra in zip(ruled, rule_scores, rule_extras):
+            extras[i] = extra | {"model": extras[i]["model"], "rule": rule}
+        return combine(dict(zip(ruled.tolist(), rule_scores)), model_scores.tolist(), args.reward_model_coef), counts, extras
 
     def _validate(self) -> tuple[dict, list[dict]]:
         from common.rewards import validate
 
-        self.last_val, samples = validate(
-            self.generate,
-            self.val_loader,
-            self.tokenizer,
-            self.rewards,
-            self.args.val_n,
-            self.args.max_reward_error_share,
-        )
+        self.last_val, samples = validate(self.generate, self.val_loader, self.tokenizer, self._score_texts, self.args.val_n)
         return self.last_val, samples
 
     def resume(self, **driver_state) -> dict:
@@ -462,26 +526,43 @@ class Run:
         self.rewards.close()
         if self.env_calls is not None:
             self.env_calls.close()
-        for group in self.groups.values():
+        for group in [*self.groups.values(), *([self.reward_model] if self.reward_model else [])]:
             group.shutdown()
-        if self.pool is not None:
-            self.pool.shutdown()
+        for pool in (self.pool, self.reward_model_pool):
+            if pool is not None:
+                pool.shutdown()
 
 
-def load_tokenizer(model_path: str):
-    """The tokenizer of a model folder or hub id, with a message that says what is missing."""
+def load_tokenizer(model_path: str, flag: str = "--model-path"):
+    """The tokenizer of a model folder or hub id, with a message that names `flag` and says what is missing."""
     from transformers import AutoTokenizer
 
     path = Path(model_path)
     if path.exists() or model_path.startswith((".", "/", "~")) or model_path.count("/") > 1:
         if not path.is_dir():
-            raise ValueError(f"--model-path {model_path}: no such folder; pass a Hugging Face model folder or hub id")
+            raise ValueError(f"{flag} {model_path}: no such folder; pass a Hugging Face model folder or hub id")
         if not (path / "config.json").is_file():
-            raise ValueError(f"--model-path {model_path}: no config.json in it; pass a folder saved by save_pretrained")
+            raise ValueError(f"{flag} {model_path}: no config.json in it; pass a folder saved by save_pretrained")
     try:
         return AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError) as error:
-        raise ValueError(f"--model-path {model_path}: no tokenizer could be loaded from it ({error})") from error
+        raise ValueError(f"{flag} {model_path}: no tokenizer could be loaded from it ({error})") from error
+
+
+def check_reward_model(path: str) -> None:
+    """Fail before any worker starts when --reward-model is no sequence-classification model with one label."""
+    import json
+
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return  # a hub id: the worker's own check says what is wrong
+    config = json.loads(config_file.read_text())
+    architectures, labels = config.get("architectures") or [], len(config.get("id2label") or {0: ""})
+    if not any(name.endswith("ForSequenceClassification") for name in architectures) or labels != 1:
+        raise ValueError(
+            f"--reward-model {path}: its config.json names {architectures or 'no architecture'} with {labels} labels; a "
+            "reward model is a ...ForSequenceClassification with one label (num_labels=1), one score per sequence"
+        )
 
 
 def init_ray() -> None:

@@ -162,6 +162,9 @@ def launch(folder: str, limits: dict, parent: int) -> int:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # a killed reward process takes its program with it
         if os.getppid() != parent:
             return 137
+    # The bound on processes counts every process of the user: nobody's for root, the user's own otherwise (counted
+    # here, before the program's /proc shows its own processes alone).
+    processes = limits["processes"] + (0 if root else processes_of(os.getuid()))
     # Opened before the namespaces: a file open for writing on a mount keeps it from turning read-only
     setup_error = os.open(os.path.join(folder, "setup_error"), os.O_WRONLY | os.O_CREAT, 0o600)
     namespaced = (
@@ -171,7 +174,7 @@ def launch(folder: str, limits: dict, parent: int) -> int:
     pid = os.fork()  # in its own pid namespace: when it ends, every process it started ends too
     if pid == 0:
         try:
-            start_program(libc, folder, limits, root, namespaced)
+            start_program(libc, folder, limits, processes, root, namespaced)
         except BaseException:
             os.write(setup_error, traceback.format_exc().encode())
         finally:
@@ -189,7 +192,7 @@ def launch(folder: str, limits: dict, parent: int) -> int:
         time.sleep(0.005)
 
 
-def start_program(libc, folder: str, limits: dict, root: bool, namespaced: bool) -> None:
+def start_program(libc, folder: str, limits: dict, processes: int, root: bool, namespaced: bool) -> None:
     """In the forked child (process 1 of its pid namespace, when namespaced): the program's view of the machine, its
     limits and its user, then exec."""
     python = os.path.realpath(sys.executable)  # the base interpreter: run with -I -S, the standard library only
@@ -209,8 +212,6 @@ def start_program(libc, folder: str, limits: dict, root: bool, namespaced: bool)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits["output_bytes"], limits["output_bytes"]))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-    # The bound on processes counts every process of the user: nobody's for root, the user's own otherwise.
-    processes = limits["processes"] + (0 if root and namespaced else processes_of(os.getuid()))
     if root and namespaced:  # without its own view of the files, nobody may not reach the interpreter: stay root
         os.fchown(stdout, NOBODY, NOBODY)
         os.fchown(stderr, NOBODY, NOBODY)
@@ -270,11 +271,14 @@ def ancestors(path: str) -> list[str]:
 
 
 def processes_of(uid: int) -> int:
-    """How many processes `uid` runs now (0 where /proc cannot tell)."""
-    try:
-        return sum(os.stat(f"/proc/{entry}").st_uid == uid for entry in os.listdir("/proc") if entry.isdigit())
-    except OSError:
-        return 0
+    """How many processes `uid` runs now (0 where there is no /proc to tell)."""
+    count = 0
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            count += entry.isdigit() and os.stat(f"/proc/{entry}").st_uid == uid
+        except OSError:  # it ended meanwhile
+            pass
+    return count
 
 
 if __name__ == "__main__":

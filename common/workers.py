@@ -195,6 +195,7 @@ class FSDPWorker:
     """What the policy and the critic share: distributed setup, FSDP2 sharding, optimisation."""
 
     language_model = True  # its output is logits over the vocabulary (see response_outputs)
+    packs = True  # its micro-batches may be packed (response_outputs), where the model keeps packed sequences apart
     # FSDP gathers each unit's parameters before its forward and backward and scatters its gradients after: a unit per
     # decoder layer keeps one layer whole at a time. A collective of under a million parameters (4 MB in fp32) costs its
     # latency, not its size, so consecutive layers smaller than that share a unit until it holds that many.
@@ -252,9 +253,10 @@ class FSDPWorker:
         self.model = self._shard(model)
         self._build_optimizer(lr, weight_decay, lr_warmup_steps, lr_decay_steps)
         packing = "one row" if self.attention == "flash_attention_2" else "rows"
-        self.layout = packing if self._packs_exactly(packing) else "padded"
+        self.layout = packing if self.packs and self._packs_exactly(packing) else "padded"
         if self.rank == 0:
-            layout = "" if self.layout != "padded" else " (this model's attention lets packed sequences see each other)"
+            packs = self.layout != "padded" or not self.packs
+            layout = "" if packs else " (this model's attention lets packed sequences see each other)"
             print(
                 f"{type(self).__name__}: {self.world_size} x {self.device.type}, compute: {self.compute_dtype}, "
                 f"attention: {self.attention}, "
@@ -739,3 +741,44 @@ class CriticWorker(FSDPWorker):
     def update(self, data: DataProto, loss_fn) -> dict:
         """Regress values with the script's `loss_fn(micro_batch, values, ...)`."""
         return self._update(data, loss_fn, self._forward)
+
+
+class RewardModelWorker(FSDPWorker):
+    """A reward model: a sequence-classification model with one label, sharded like the policy, that scores and never
+    trains (see FSDPWorker.setup). Its score of a sequence is its head's output at the sequence's last token."""
+
+    language_model = False
+    packs = False  # it reads each sequence's last token from the padded rectangle
+
+    def _from_pretrained(self, model_path: str, **kwargs):
+        from transformers import AutoModelForSequenceClassification
+
+        model = AutoModelForSequenceClassification.from_pretrained(model_path, **kwargs)
+        if model.config.num_labels != 1 or not isinstance(getattr(model, "score", None), torch.nn.Linear):
+            raise ValueError(
+                f"--reward-model {model_path}: a reward model is a ...ForSequenceClassification with one label and a "
+                f"`score` head (as Llama, Qwen, Mistral and Gemma ones are); this one has {model.config.num_labels} "
+                f"labels and {type(getattr(model, 'score', None)).__name__} as `score`"
+            )
+        return model
+
+    @torch.no_grad()
+    def compute_rm_score(self, data: DataProto) -> DataProto:
+        """`rm_scores`: one per right-padded sequence of `data` (`input_ids`, `attention_mask`, `position_ids`)."""
+        self.model.eval()
+        head_outputs = []
+        # transformers pools at the last token that is not the pad token, which is the wrong one when the pad token is
+        # also the end-of-turn token: read the head at every position and take the last real one here.
+        handle = self.model.score.register_forward_hook(lambda module, args, output: head_outputs.append(output))
+
+        def forward(micro: DataProto):
+            head_outputs.clear()
+            self.model(**{key: micro[key] for key in ("input_ids", "attention_mask", "position_ids")}, use_cache=False)
+            last = micro["attention_mask"].sum(-1, keepdim=True) - 1
+            return (head_outputs[0][..., 0].float().gather(1, last)[:, 0],)
+
+        try:
+            [scores] = self._in_micro_batches(data, forward)
+        finally:
+            handle.remove()
+        return DataProto.from_dict({"rm_scores": scores})

@@ -313,7 +313,7 @@ def test_lora_reference_is_the_base_model(cpu_pool, tiny_model, prompts):
 def test_validation_with_n_samples_reports_mean_and_pass_at_n(policy, demo_files, tokenizer):
     from common.data import PromptLoader
     from common.isolation import InProcessCalls
-    from common.rewards import REWARD_CALLS, default_reward, validate
+    from common.rewards import REWARD_CALLS, default_reward, score_texts, validate
 
     data = load_prompts([demo_files[2]], tokenizer, max_prompt_length=8)[:6]
     loader = PromptLoader(data, 4, tokenizer.pad_token_id, shuffle=False, drop_last=False)
@@ -322,7 +322,10 @@ def test_validation_with_n_samples_reports_mean_and_pass_at_n(policy, demo_files
     def generate(batch, do_sample):
         return policy.scatter("generate", batch.select("prompts", "prompt_mask"), **sampling, do_sample=do_sample)
 
-    metrics, samples = validate(generate, loader, tokenizer, InProcessCalls(default_reward, None, REWARD_CALLS), n=4)
+    def score_responses(texts, batch):
+        return score_texts(texts, batch, InProcessCalls(default_reward, None, REWARD_CALLS))
+
+    metrics, samples = validate(generate, loader, tokenizer, score_responses, n=4)
     assert len(samples) == 6 * 4
     assert metrics["val/mean@4"] == metrics["val/accuracy"] == pytest.approx(np.mean([s["score"] for s in samples]))
     by_prompt = {}
@@ -330,7 +333,7 @@ def test_validation_with_n_samples_reports_mean_and_pass_at_n(policy, demo_files
         by_prompt[sample["prompt"]] = max(by_prompt.get(sample["prompt"], 0.0), sample["score"])
     assert metrics["val/pass@4"] == pytest.approx(np.mean(list(by_prompt.values())))
     assert metrics["val/pass@4"] >= metrics["val/mean@4"]
-    greedy, greedy_samples = validate(generate, loader, tokenizer, InProcessCalls(default_reward, None, REWARD_CALLS), n=1)
+    greedy, greedy_samples = validate(generate, loader, tokenizer, score_responses, n=1)
     assert len(greedy_samples) == 6 and "val/pass@1" not in greedy
 
 
