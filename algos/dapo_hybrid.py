@@ -211,7 +211,7 @@ if __name__ == "__main__":
     args = tyro.cli(Args)
     if args.model_path is None or not args.train_files:
         demo_settings = dict(
-            lr=6e-4, train_batch_size=32, mini_batch_size=8, total_steps=250, overlong_buffer_length=1, kl_loss_coef=0.2
+            lr=6e-4, train_batch_size=32, mini_batch_size=8, total_steps=150, overlong_buffer_length=1, kl_loss_coef=0.2
         )
         args = demo.apply(Args, args, **demo_settings, gen_batch_size=96, max_gen_batches=30)
     if args.n < 2 and not args.single_sample_groups:
