@@ -29,6 +29,8 @@ def test_stdin_stdout_tests_score_the_share_passed():
     assert code_reward(right, json.dumps(ADD)) == {"score": 1.0, "tests_passed": 3, "tests": 3}
     assert code_reward("print(3)", ADD) == {"score": pytest.approx(1 / 3), "tests_passed": 1, "tests": 3}
     assert code_reward("raise SystemExit(1)", ADD)["score"] == 0.0  # a failing exit fails the test
+    # the exit code the launcher gives a sandbox it could not set up, from the program itself: a failed test, no error
+    assert run_program("raise SystemExit(125)", None, QUICK) == dict(status="exited", returncode=125, stdout="", stderr="")
 
 
 def test_assert_tests_run_after_the_program():
