@@ -395,12 +395,12 @@ class Run:
         import numpy as np
 
         from common.reward_model import combine, render_conversations, reward_model_batch
-        from common.rewards import BUILTIN_REWARDS, score_texts
+        from common.rewards import has_rule, score_texts
 
         args = self.args
         if self.reward_model is None:
             return score_texts(texts, batch, self.rewards, args.max_reward_error_share)
-        ruled = np.array([i for i, source in enumerate(batch["data_source"]) if args.reward_fn or source in BUILTIN_REWARDS])
+        ruled = np.array([i for i, source in enumerate(batch["data_source"]) if has_rule(source, self.reward_fn)])
         rule_scores, counts, rule_extras = [], {"reward/errors": 0, "reward/timeouts": 0}, []
         if len(ruled):
             ruled_texts = [texts[i] for i in ruled]
