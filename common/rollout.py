@@ -234,17 +234,19 @@ class VLLMRollout:
         max_model_len: int,
         lora_sync: str = "auto",
         offload: bool = False,
+        frozen: bool = False,
     ):
         """The engine loads the base weights from `model_path`; with LoRA it serves the policy's adapter on top
         of them, or receives the adapter merged into every weight: `lora_sync` "adapter" or "merged"; "auto" merges on
         CPUs, where vLLM's LoRA kernels cost more than the model (3.4x the generation time on SmolLM2-135M), and sends
         the adapter on GPUs. `offload` moves the policy's
-        weights and optimiser state to CPU memory while the engine generates (on GPUs)."""
+        weights and optimiser state to CPU memory while the engine generates (on GPUs). `frozen`: the policy never
+        changes (a judge), so the engine keeps the weights it loaded and is sent none."""
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not every reload and cache reset at INFO
         from vllm import LLM
 
         self.policy, self.optimizer, self.eos_token_ids, self.pad_token_id = policy, optimizer, eos_token_ids, pad_token_id
-        self.offload, self.on_gpu, self.dtype = offload, on_gpu, dtype
+        self.offload, self.on_gpu, self.dtype, self.frozen = offload, on_gpu, dtype, frozen
         adapter = policy.peft_config[weight_sync.ADAPTER] if hasattr(policy, "peft_config") else None
         merged = lora_sync == "merged" or (lora_sync == "auto" and not on_gpu)
         self.serves_adapter = adapter is not None and not merged
@@ -275,9 +277,9 @@ class VLLMRollout:
             **memory,
             **lora,
         )
-        # Level 1 keeps the base weights (in CPU memory) for the adapter to sit on; level 2 drops
-        # them, since the policy sends all of them at every wake.
-        self.sleep_level = 1 if self.serves_adapter else 2
+        # Level 1 keeps the base weights (in CPU memory) for the adapter to sit on, or for a frozen engine; level 2
+        # drops them, since the policy sends all of them at every wake.
+        self.sleep_level = 1 if self.serves_adapter or frozen else 2
         self.adapter_dir = tempfile.mkdtemp(prefix="hybridrl_adapter_")
         self.lora_request = None
         self._sleep()
@@ -286,7 +288,8 @@ class VLLMRollout:
         """[batch, steps] response tokens and their log-probs, from an engine woken with the policy's current weights."""
         if self.on_gpu:
             self.llm.wake_up(tags=["weights"])
-        self.sync_weights()
+        if not self.frozen:
+            self.sync_weights()
         if self.offload:
             move_policy(self.policy, self.optimizer, "cpu")
         if self.on_gpu:

@@ -145,9 +145,22 @@ class RunArgs:
     """a reward model (a ...ForSequenceClassification folder with one label) that scores every response; a row whose
     data source has a rule scores rule + --reward-model-coef x the model's score, a row without one the model's alone"""
     reward_model_coef: float = 1.0
-    """weight of the reward model's score beside a rule's"""
+    """weight of the reward model's (or the judge's) score beside a rule's"""
     reward_model_workers: int = flag(0, resumable=True)
-    """0: the reward model shares the policy's accelerators (colocated); N: N workers of its own, placed apart"""
+    """0: the reward model (or the judge) shares the policy's accelerators (colocated); N: N workers of its own, apart"""
+    judge_model: str | None = None
+    """an LLM judge (a causal language model folder, or a short name) that scores every response as --judge-template
+    asks it; its score meets a rule's as --reward-model's does (see README)"""
+    judge_template: str | None = None
+    """with --judge-model: a text file holding the judge's question, with {prompt}, {response} and {ground_truth} in
+    it, that asks for a verdict, Yes or No"""
+    judge_mode: Literal["probability", "parsed"] = "probability"
+    """how a verdict becomes a score: `probability`, p(Yes) / (p(Yes) + p(No)) of the judge's next token; `parsed`,
+    1 or 0 for the first yes or no in the answer it writes on --rollout-engine (up to --judge-max-tokens)"""
+    judge_max_tokens: int = flag(32, positive=True)
+    """with --judge-mode parsed: the most tokens of the judge's answer"""
+    judge_max_prompt_length: int = flag(2048, positive=True)
+    """longest judge's question in the judge's tokens (the template filled in, in its chat template)"""
     test_freq: int = flag(25, resumable=True, positive=True)
     """validate every this many steps"""
     val_before_train: bool = flag(True, resumable=True)
@@ -208,6 +221,13 @@ class Run:
             )
         if args.reward_workers is not None and args.reward_workers < 0:
             raise ValueError(f"--reward-workers is {args.reward_workers}; use 0 to score in this process, or more")
+        if args.judge_model is not None and (args.reward_model is not None or args.judge_template is None):
+            raise ValueError(
+                "--judge-model needs --judge-template (the question it answers), and takes the place of --reward-model: "
+                "pass one of the two"
+            )
+        if args.judge_template is not None and args.judge_model is None:
+            raise ValueError("--judge-template is the question of an LLM judge: pass --judge-model too")
         if args.reward_model_workers < 0 or (args.reward_model_workers and args.in_process):
             raise ValueError(
                 f"--reward-model-workers is {args.reward_model_workers}; use 0 to share the policy's accelerators (the "
@@ -222,18 +242,33 @@ class Run:
             args.reward_model = resolve_model(args.reward_model)
             self.reward_model_tokenizer = load_tokenizer(args.reward_model, "--reward-model")
             check_reward_model(args.reward_model)
+        if args.judge_model is not None:
+            from common.judge import load_template, verdict_token_ids  # here: the module imports torch
+
+            args.judge_model = resolve_model(args.judge_model)
+            self.judge_tokenizer = load_tokenizer(args.judge_model, "--judge-model")
+            self.judge_template = load_template(args.judge_template)
+            if args.judge_mode == "probability":
+                verdict_token_ids(self.judge_tokenizer, args.judge_model)
         self.eos_token_ids = eos_token_ids(args.model_path, self.tokenizer)
         pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.reward_fn = load_reward_fn(args.reward_fn)
         self.env_cls = load_env(args.env) if args.env else None
         train_data = load_prompts(args.train_files, self.tokenizer, args.max_prompt_length, args.truncate_prompts)
-        if args.reward_model is None:  # else rows without a rule are the reward model's alone
+        scored_by_model = args.reward_model is not None or args.judge_model is not None
+        if not scored_by_model:  # else rows without a rule are the model's alone
             check_data_sources(train_data, self.reward_fn)
         val_data = train_data
         if args.val_files:
             val_data = load_prompts(args.val_files, self.tokenizer, args.max_prompt_length, args.truncate_prompts)
-            if args.reward_model is None:
+            if not scored_by_model:
                 check_data_sources(val_data, self.reward_fn)
+        if args.judge_model is not None:
+            from common.judge import check_question_length
+
+            truths = [*train_data["ground_truth"], *val_data["ground_truth"]]
+            longest = args.max_prompt_length + args.max_response_length
+            check_question_length(self.judge_template, self.judge_tokenizer, truths, longest, args.judge_max_prompt_length)
         self.val_name = "held-out accuracy" if args.val_files else "accuracy on the training prompts (no --val-files)"
         batch_size = prompts_per_batch or args.train_batch_size
         if batch_size > len(train_data):
@@ -279,32 +314,43 @@ class Run:
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0
             if args.offload and not use_gpu:
                 raise ValueError("--offload frees GPU memory for the vllm engine; drop it on CPUs")
-            colocated = args.reward_model is not None and not args.reward_model_workers
+            colocated = scored_by_model and not args.reward_model_workers
             self.pool = ResourcePool(num_workers, use_gpu, max_colocated=worker_groups + colocated)
-        self.reward_model, self.reward_model_pool = None, None
-        if args.reward_model is not None:
+        self.reward_model, self.judge, self.reward_model_pool = None, None, None
+        if scored_by_model:
             self._start_reward_model()
         self.groups, self.train_batches = {}, self.train_loader.forever()
         self.start_step, self.first_val, self.last_val, self.bad_steps = 1, None, None, 0
         self.resumed, self.stop, self.step_start, self.postfix, self.last_step = False, None, 0.0, {}, 0
 
     def _start_reward_model(self) -> None:
-        """The reward model's group: on the run's accelerators, on --reward-model-workers of its own, or in this
-        process. It scores and never trains, so no checkpoint holds it."""
-        from common.workers import ResourcePool, RewardModelWorker, WorkerGroup
+        """The reward model's group, or the judge's: on the run's accelerators, on --reward-model-workers of its own,
+        or in this process. It scores and never trains, so no checkpoint holds it."""
+        from common.judge import Judge
+        from common.workers import JudgeWorker, ResourcePool, RewardModelWorker, WorkerGroup
 
         args, pool = self.args, self.pool
         if args.reward_model_workers:
             self.reward_model_pool = pool = ResourcePool(args.reward_model_workers, self.pool.use_gpu)
-        self.reward_model = WorkerGroup(
-            RewardModelWorker,
-            pool,
-            "reward_model",
-            model_path=args.reward_model,
-            micro_batch_size=args.micro_batch_size,
-            micro_batch_tokens=args.micro_batch_tokens,
-            seed=args.seed,
-            compute_dtype=args.compute_dtype,
+        model = dict(micro_batch_size=args.micro_batch_size, micro_batch_tokens=args.micro_batch_tokens)
+        model |= dict(seed=args.seed, compute_dtype=args.compute_dtype)
+        if args.reward_model is not None:
+            self.reward_model = WorkerGroup(RewardModelWorker, pool, "reward_model", model_path=args.reward_model, **model)
+            return
+        engine = dict(rollout_engine=args.rollout_engine, rollout_dtype=args.rollout_dtype, temperature=1.0)
+        engine |= dict(
+            rollout_gpu_memory_utilization=args.rollout_gpu_memory_utilization,
+            max_model_len=args.judge_max_prompt_length + args.judge_max_tokens,
+        )
+        group = WorkerGroup(JudgeWorker, pool, "judge", model_path=args.judge_model, **model, **engine)
+        self.judge = Judge(
+            group,
+            self.judge_tokenizer,
+            self.judge_template,
+            args.judge_mode,
+            args.judge_max_tokens,
+            args.judge_max_prompt_length,
+            args.judge_model,
         )
 
     def workers(self, worker_cls, name: str, **settings):
@@ -390,15 +436,15 @@ class Run:
 
     def _score_texts(self, texts: list[str], batch) -> tuple[list[float], dict, list[dict]]:
         """Each response's score, the reward's error and timeout counts, and per response the keys beside its score:
-        the rule's (common/rewards.py), or with --reward-model the rule's and the model's as common/reward_model.py
-        combines them, the model's under `model` and the rule's under `rule`."""
+        the rule's (common/rewards.py), or with --reward-model (--judge-model) the rule's and the model's as
+        common/reward_model.py combines them, the model's under `model` (`judge`) and the rule's under `rule`."""
         import numpy as np
 
         from common.reward_model import combine, render_conversations, reward_model_batch
         from common.rewards import has_rule, score_texts
 
         args = self.args
-        if self.reward_model is None:
+        if self.reward_model is None and self.judge is None:
             return score_texts(texts, batch, self.rewards, args.max_reward_error_share)
         ruled = np.array([i for i, source in enumerate(batch["data_source"]) if has_rule(source, self.reward_fn)])
         rule_scores, counts, rule_extras = [], {"reward/errors": 0, "reward/timeouts": 0}, []
@@ -407,14 +453,21 @@ class Run:
             rule_scores, counts, rule_extras = score_texts(
                 ruled_texts, batch[ruled], self.rewards, args.max_reward_error_share
             )
-        tokenizer = self.reward_model_tokenizer
-        conversations = render_conversations(batch["prompt_messages"], texts, tokenizer)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
-        model_scores = self.reward_model.scatter("compute_rm_score", reward_model_batch(conversations, pad))["rm_scores"]
-        extras = [{"model": score} for score in model_scores.tolist()]
+        if self.judge is not None:
+            key = "judge"
+            model_scores, counts["reward/judge_failures"] = self.judge.score(
+                batch["prompt_messages"], texts, batch["ground_truth"], args.max_reward_error_share
+            )
+        else:
+            key, tokenizer = "model", self.reward_model_tokenizer
+            conversations = render_conversations(batch["prompt_messages"], texts, tokenizer)
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+            rm_batch = reward_model_batch(conversations, pad)
+            model_scores = self.reward_model.scatter("compute_rm_score", rm_batch)["rm_scores"].tolist()
+        extras = [{key: score} for score in model_scores]
         for i, rule, extra in zip(ruled, rule_scores, rule_extras):
-            extras[i] = extra | {"model": extras[i]["model"], "rule": rule}
-        return combine(dict(zip(ruled.tolist(), rule_scores)), model_scores.tolist(), args.reward_model_coef), counts, extras
+            extras[i] = extra | {key: model_scores[i], "rule": rule}
+        return combine(dict(zip(ruled.tolist(), rule_scores)), model_scores, args.reward_model_coef), counts, extras
 
     def _validate(self) -> tuple[dict, list[dict]]:
         from common.rewards import validate
@@ -526,7 +579,8 @@ class Run:
         self.rewards.close()
         if self.env_calls is not None:
             self.env_calls.close()
-        for group in [*self.groups.values(), *([self.reward_model] if self.reward_model else [])]:
+        scorers = [self.reward_model] if self.reward_model else [self.judge.group] if self.judge else []
+        for group in [*self.groups.values(), *scorers]:
             group.shutdown()
         for pool in (self.pool, self.reward_model_pool):
             if pool is not None:

@@ -576,6 +576,8 @@ def _response_log_probs(logits: torch.Tensor, responses: torch.Tensor, temperatu
 class PolicyWorker(FSDPWorker):
     """The hybrid engine: trainable policy, rollout engine and reference in one process."""
 
+    trains = True  # else its rollout engine keeps the weights it loaded, never sent the model's
+
     def _from_pretrained(self, model_path: str, **kwargs):
         from transformers import AutoModelForCausalLM
 
@@ -635,6 +637,7 @@ class PolicyWorker(FSDPWorker):
                 max_model_len=max_model_len,
                 lora_sync=lora_sync,
                 offload=offload,
+                frozen=not self.trains,
             )
 
     @torch.no_grad()
@@ -782,3 +785,28 @@ class RewardModelWorker(FSDPWorker):
         finally:
             handle.remove()
         return DataProto.from_dict({"rm_scores": scores})
+
+
+class JudgeWorker(PolicyWorker):
+    """An LLM judge (common/judge.py): a language model sharded like the policy, with a rollout engine of its own
+    (`generate`, for verdicts it writes out), that never trains and has no reference."""
+
+    trains = False
+
+    def setup(self, master, model_path: str, **settings) -> None:
+        super().setup(master, model_path, use_reference=False, **settings)
+
+    @torch.no_grad()
+    def verdict_log_probs(self, data: DataProto, yes_ids: list[int], no_ids: list[int]) -> DataProto:
+        """For each question of `data` (with a one-token response, whose own token is not read): the log-probs of
+        the next token being a Yes and a No (each summed over its ids) as `verdict_log_probs` [rows, 2], and the most
+        likely next token as `top_tokens`."""
+        self.model.eval()
+
+        def forward(micro: DataProto):
+            log_probs = torch.log_softmax(response_outputs(self.model, micro, self.layout, language_model=True).float(), -1)
+            verdicts = [log_probs[:, yes_ids].logsumexp(-1), log_probs[:, no_ids].logsumexp(-1)]
+            return torch.stack(verdicts, -1), log_probs.argmax(-1)
+
+        verdicts, top_tokens = self._in_micro_batches(data, forward)
+        return DataProto.from_dict({"verdict_log_probs": verdicts, "top_tokens": top_tokens})
