@@ -11,7 +11,7 @@ from test_scripts import SMALL_RUN, metrics_of, run_script
 
 from common.data import collate
 from common.dataproto import DataProto
-from common.judge import load_template, parse_verdict, probability_verdicts, question, question_ids, verdict_token_ids
+from common.judge import Judge, load_template, parse_verdict, probability_verdicts, question, question_ids, verdict_token_ids
 from common.rollout import response_batch
 from common.workers import JudgeWorker, WorkerGroup
 
@@ -81,6 +81,54 @@ def test_the_worker_reads_the_judges_next_token_as_transformers_does(cpu_pool, s
         want = [log_probs[yes].logsumexp(-1), log_probs[no].logsumexp(-1)]
         assert got.tolist() == pytest.approx([value.item() for value in want], abs=1e-4)
         assert log_probs[top] == pytest.approx(log_probs.max().item(), abs=1e-4)
+
+
+CLEARLY = [
+    ("3+4=", "7", "7"),
+    ("3+4=", "12", "7"),
+    ("9+9=", "18", "18"),
+    ("9+9=", "2", "18"),
+    ("0+5=", "5", "5"),
+    ("0+5=", "14", "5"),
+]
+
+
+@pytest.fixture(scope="module")
+def arithmetic_judge(tiny_model, tmp_path_factory):
+    """A judge that knows these texts: the demo's model with Yes and No added as tokens, fine-tuned here to answer
+    "r=t?" (the response, the ground truth) of each row of CLEARLY with Yes when they are equal and No otherwise."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.demo import warm_start
+
+    folder = str(tmp_path_factory.mktemp("arithmetic_judge"))
+    torch.manual_seed(0)  # the new tokens' embeddings
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.add_tokens(["Yes", "No"])
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    model.resize_token_embeddings(len(tokenizer))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    examples = [(f"{response}={truth}?", [("Yes" if response == truth else "No", True)]) for _, response, truth in CLEARLY]
+    warm_start(folder, examples, steps=200)
+    return folder
+
+
+@pytest.mark.parametrize("mode", ["probability", "parsed"])
+def test_a_judge_that_knows_says_yes_to_the_right_answers_and_no_to_the_wrong(cpu_pool, arithmetic_judge, mode):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(arithmetic_judge)
+    group = WorkerGroup(JudgeWorker, cpu_pool, "judge", model_path=arithmetic_judge, compute_dtype="float32")
+    try:
+        judge = Judge(group, tokenizer, "{response}={ground_truth}?", mode, 4, 64, arithmetic_judge)
+        messages = [[{"role": "user", "content": prompt}] for prompt, _, _ in CLEARLY]
+        scores, failures = judge.score(messages, [r for _, r, _ in CLEARLY], [t for _, _, t in CLEARLY], 0.0)
+    finally:
+        group.shutdown()
+    assert failures == 0
+    right = [response == truth for _, response, truth in CLEARLY]
+    assert [score > 0.9 if ok else score < 0.1 for score, ok in zip(scores, right)] == [True] * len(CLEARLY), scores
 
 
 def test_a_vllm_judge_answers_greedily_with_the_weights_it_loaded(cpu_pool, smollm2):
