@@ -191,7 +191,9 @@ def test_a_judge_that_gives_no_verdict_is_counted_then_stops_the_run(ray_cluster
 
 
 def test_judge_flags_that_do_not_fit_stop_before_any_worker(demo_files, tmp_path):
+    (tmp_path / "blind.txt").write_text("Is {prompt} hard? Answer Yes or No.")
     cases = [
+        (["--judge-model", demo_files[0], "--judge-template", str(tmp_path / "blind.txt")], "has no {response}"),
         (["--judge-model", demo_files[0]], "--judge-model needs --judge-template"),
         (["--judge-template", TEMPLATE_FILE], "pass --judge-model too"),
         (["--judge-model", demo_files[0], "--judge-template", TEMPLATE_FILE], "use --judge-mode parsed"),
