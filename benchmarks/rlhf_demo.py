@@ -42,8 +42,7 @@ def reward_scores(model, tokenizer, prompts: list[str], responses: list[str]) ->
     """The model's score of each conversation, read as RewardModelWorker reads it: the head at the last token."""
     messages = [[{"role": "user", "content": prompt}] for prompt in prompts]
     batch = reward_model_batch(render_conversations(messages, responses, tokenizer), tokenizer.pad_token_id)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
-    return logits
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
 
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:

@@ -84,7 +84,8 @@ def check_question_length(template: str, tokenizer, ground_truths, prompt_and_re
     chat template, the longest ground truth, and `prompt_and_response` tokens (the policy's longest prompt and response;
     the judge's tokenizer may count a few more, which a question's own check catches)."""
     frame = len(question_ids(question(template, [], "", ""), tokenizer))
-    truth = max(len(tokenizer(str(value), add_special_tokens=False)["input_ids"]) for value in ground_truths)
+    # each distinct truth once: rows repeat their answers, and without --val-files the training rows come twice
+    truth = max(len(tokenizer(value, add_special_tokens=False)["input_ids"]) for value in set(map(str, ground_truths)))
     if frame + truth + prompt_and_response > max_prompt_length:
         raise ValueError(
             f"a judge's question can reach {frame + truth + prompt_and_response} tokens (the template in the judge's chat "

@@ -332,15 +332,21 @@ class Run:
         args, pool = self.args, self.pool
         if args.reward_model_workers:
             self.reward_model_pool = pool = ResourcePool(args.reward_model_workers, self.pool.use_gpu)
-        model = dict(micro_batch_size=args.micro_batch_size, micro_batch_tokens=args.micro_batch_tokens)
-        model |= dict(seed=args.seed, compute_dtype=args.compute_dtype)
+        model = dict(
+            micro_batch_size=args.micro_batch_size,
+            micro_batch_tokens=args.micro_batch_tokens,
+            seed=args.seed,
+            compute_dtype=args.compute_dtype,
+        )
         if args.reward_model is not None:
             self.reward_model = WorkerGroup(RewardModelWorker, pool, "reward_model", model_path=args.reward_model, **model)
             return
-        engine = dict(rollout_engine=args.rollout_engine, rollout_dtype=args.rollout_dtype, temperature=1.0)
-        engine |= dict(
+        engine = dict(
+            rollout_engine=args.rollout_engine,
+            rollout_dtype=args.rollout_dtype,
             rollout_gpu_memory_utilization=args.rollout_gpu_memory_utilization,
             max_model_len=args.judge_max_prompt_length + args.judge_max_tokens,
+            temperature=1.0,
         )
         group = WorkerGroup(JudgeWorker, pool, "judge", model_path=args.judge_model, **model, **engine)
         self.judge = Judge(

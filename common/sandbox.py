@@ -105,8 +105,9 @@ def run_program(source: str, stdin: str | None, limits: dict) -> dict:
         except subprocess.TimeoutExpired:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
-        code, setup_error = launcher.returncode, read_start(os.path.join(folder, "setup_error"), 8192)
-        if code == SETUP_FAILED and setup_error:  # not a program that exits with that code itself
+        code = launcher.returncode
+        setup_error = read_start(os.path.join(folder, "setup_error"), 8192) if code == SETUP_FAILED else ""
+        if setup_error:  # not a program that exits with the launcher's code itself
             raise SandboxError(f"the sandbox could not start the program:\n{setup_error}")
         return dict(
             status="timeout" if code == 124 or code < 0 else "killed" if code >= 128 else "exited",
