@@ -121,7 +121,7 @@ def main():
         print(f"{phase.removeprefix('timing/'):<16}{seconds:>10.4f}{seconds / step_time:>9.1%}")
     print(f"{'step':<16}{step_time:>10.4f}{1:>9.1%}")
     print(f"tokens per second: {np.mean([r['perf/tokens_per_s'] for r in measured]):.0f}")
-    worker_peak_gb = max(r["actor/peak_memory_gb"] for r in rows)
+    worker_peak_gb = max(r["perf/peak_memory_gb"] for r in rows)
     print(f"peak memory: driver {driver_peak_gb:.2f} GB, workers {worker_peak_gb:.2f} GB (each, the largest)")
     outside = 1 - worker_share
     print(f"worker compute: {worker_share:.1%} of the step; outside it (dispatch, serialisation, driver work): {outside:.1%}")

@@ -88,11 +88,11 @@ def measure(pool, model_path: str, batch: DataProto, packed: bool, args) -> dict
 
     inputs = batch.select(*LOG_PROB_INPUTS)
     log_prob_seconds = timed(lambda: call("compute_log_prob", inputs), args.repeats)
-    log_prob_memory = max(policy.broadcast("peak_memory_gb"))
+    log_prob_memory = max(rank["compute_log_prob"] for rank in policy.broadcast("phase_peak_memory"))
     loss_fn = partial(grpo_hybrid.actor_loss, args=grpo_hybrid.Args(kl_loss_coef=0.0))
     update_inputs = batch.select(*LOG_PROB_INPUTS, "response_mask", "old_log_probs", "advantages")
     update_seconds = timed(lambda: call("update", update_inputs, loss_fn=loss_fn), args.repeats)
-    update_memory = max(policy.broadcast("peak_memory_gb"))
+    update_memory = max(rank["update"] for rank in policy.broadcast("phase_peak_memory"))
     policy.shutdown()
     return dict(
         layout=layout,

@@ -51,8 +51,10 @@ def run_hybridrl(steps: int, env: dict, extra_flags: list[str]) -> dict:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
     phases = sorted({key for row in rows for key in row if key.startswith("timing/")} - {"timing/validate", "timing/save"})
     mean = {key.removeprefix("timing/"): sum(row.get(key, 0.0) for row in rows) / len(rows) for key in phases}
-    worker_gb = max(row["actor/peak_memory_gb"] for row in rows)
-    return dict(step=mean.pop("step"), phases=mean, memory=f"driver {driver_gb:.2f} GB, each worker {worker_gb:.2f} GB")
+    # Each worker method's peak, from its own start (see common/workers.measured), the largest over ranks and steps.
+    methods = sorted({key for row in rows for key in row if key.startswith("perf/peak_memory_gb/policy/")})
+    worker = ", ".join(f"{key.rsplit('/', 1)[1]} {max(row[key] for row in rows):.2f}" for key in methods)
+    return dict(step=mean.pop("step"), phases=mean, memory=f"driver {driver_gb:.2f} GB; a worker's, by method: {worker} GB")
 
 
 def run_trl(trl_python: str, steps: int, bf16: bool, model_path: str, train_file: str) -> dict:

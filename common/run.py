@@ -553,6 +553,7 @@ class Run:
                 val_metrics, samples = self._validate()
             metrics |= val_metrics
             self.tracker.log_samples(samples, step=step)
+        metrics |= self._peak_memory()
         if step % args.save_freq == 0 or last:
             with timer("save", metrics):
                 driver = {"loader": self.train_loader.state_dict(), **driver_state}
@@ -567,6 +568,20 @@ class Run:
                 f"{self.bad_steps} steps in a row had NaN or inf gradients; their updates were skipped, so no weights "
                 "are corrupted. Check the rewards and the learning rate, then continue with --resume auto"
             )
+
+    def _worker_groups(self) -> dict:
+        if self.judge is not None:
+            return self.groups | {"judge": self.judge.group}
+        return self.groups | ({"reward_model": self.reward_model} if self.reward_model is not None else {})
+
+    def _peak_memory(self) -> dict:
+        """The step's peak memory per worker method, the largest over ranks and calls (`perf/peak_memory_gb/policy/
+        update`...: resident memory on CPUs, allocated memory on GPUs; see workers.measured), and the largest of all."""
+        peaks = {}
+        for name, group in self._worker_groups().items():
+            ranks = group.broadcast("phase_peak_memory")
+            peaks |= {f"perf/peak_memory_gb/{name}/{method}": max(rank[method] for rank in ranks) for method in ranks[0]}
+        return peaks | {"perf/peak_memory_gb": max(peaks.values(), default=0.0)}
 
     def finish(self) -> None:
         """Report, export the policy (unless stopped early), and release the workers."""
@@ -585,8 +600,7 @@ class Run:
         self.rewards.close()
         if self.env_calls is not None:
             self.env_calls.close()
-        scorers = [self.reward_model] if self.reward_model else [self.judge.group] if self.judge else []
-        for group in [*self.groups.values(), *scorers]:
+        for group in self._worker_groups().values():
             group.shutdown()
         for pool in (self.pool, self.reward_model_pool):
             if pool is not None:

@@ -16,6 +16,7 @@ script as plain functions.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import resource
@@ -205,6 +206,7 @@ class FSDPWorker:
         # The pool decides, not torch.cuda.is_available(): recent Ray no longer hides the GPUs from CPU-only actors.
         self.rank, self.world_size = rank, world_size
         self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
+        self.phase_peaks: dict[str, float] = {}
 
     def master_address(self) -> tuple[str, int]:
         return (ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"), _free_port()
@@ -228,10 +230,14 @@ class FSDPWorker:
         lora_alpha: int = 16,
         lora_target_modules: str = "all-linear",
         compute_dtype: str = "float32",
+        replicate_frozen: bool | None = None,
     ) -> None:
         """Join the process group, load the model (with a LoRA adapter if asked), shard it, build its optimiser.
 
-        Forwards and backwards compute in `compute_dtype` over fp32 master weights (see compute_dtype_for).
+        Forwards and backwards compute in `compute_dtype` over fp32 master weights (see compute_dtype_for). With LoRA
+        the frozen base weights are whole on every rank, in the compute dtype, when `replicate_frozen` (default: when
+        they fit, see frozen_weights_fit): they never change, so there is nothing to gather before each forward and
+        backward nor to scatter after it.
 
         An update makes `epochs` passes over its batch, one optimiser step per `mini_batch_size` sequences (over all
         ranks; default the whole batch); every forward and backward takes at most `micro_batch_size` sequences, or with
@@ -250,17 +256,22 @@ class FSDPWorker:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.lora:
             model = self._add_lora(model)
-        self.model = self._shard(model)
+        frozen = {p for p in model.parameters() if not p.requires_grad} if self.lora else set()
+        if replicate_frozen is None:
+            replicate_frozen = frozen_weights_fit(frozen, self.compute_dtype, self.device, self.world_size)
+        self.replicated = frozen if replicate_frozen else set()
+        self.model = self._shard(model, replicated=self.replicated)
         self._build_optimizer(lr, weight_decay, lr_warmup_steps, lr_decay_steps)
         packing = "one row" if self.attention == "flash_attention_2" else "rows"
         self.layout = packing if self.packs and self._packs_exactly(packing) else "padded"
         if self.rank == 0:
             packs = self.layout != "padded" or not self.packs
             layout = "" if packs else " (this model's attention lets packed sequences see each other)"
+            frozen = f", frozen weights: {'replicated' if self.replicated else 'sharded'}" if self.lora else ""
             print(
                 f"{type(self).__name__}: {self.world_size} x {self.device.type}, compute: {self.compute_dtype}, "
                 f"attention: {self.attention}, "
-                f"micro-batches: {self.layout}{layout}"
+                f"micro-batches: {self.layout}{layout}{frozen}"
             )
 
     def _init_distributed(self, master: tuple[str, int], seed: int) -> None:
@@ -289,13 +300,20 @@ class FSDPWorker:
                 module.p = 0.0
         return model
 
-    def _shard(self, model, offload: bool = False):
+    def _shard(self, model, offload: bool = False, replicated: set[torch.nn.Parameter] = frozenset()):
+        """FSDP2 over the worker group's ranks, a unit per decoder layer (or several small ones), the rest in the root.
+        The `replicated` parameters (frozen) stay whole on every rank, in the compute dtype, outside FSDP."""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         on_gpu = self.device.type == "cuda"
+        for param in replicated:
+            param.data = param.data.to(self.device, self.compute_dtype)
         mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         options = dict(
-            mesh=self.mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy() if offload and on_gpu else OffloadPolicy()
+            mesh=self.mesh,
+            mp_policy=mp,
+            offload_policy=CPUOffloadPolicy() if offload and on_gpu else OffloadPolicy(),
+            ignored_params=set(replicated),
         )
         layers, size = [], 0
         for module in list(model.modules()):
@@ -402,14 +420,12 @@ class FSDPWorker:
         metrics = {key: float(np.mean(values)) for key, values in history.items()}
         metrics["skipped_updates"] = float(np.sum(history["skipped_updates"]))
         metrics["lr"] = self.scheduler.get_last_lr()[0]
-        metrics["peak_memory_gb"] = self._all_reduce_max(self.peak_memory_gb())
         return metrics
 
-    def peak_memory_gb(self) -> float:
-        """Peak accelerator memory on a GPU, peak resident memory of the process on a CPU."""
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated() / 2**30
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    def phase_peak_memory(self) -> dict[str, float]:
+        """The peak memory (GB) of each method measured since the last call, by name (see `measured`)."""
+        peaks, self.phase_peaks = self.phase_peaks, {}
+        return peaks
 
     def _all_reduce_max(self, value: float) -> float:
         tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
@@ -454,6 +470,41 @@ class FSDPWorker:
             torch.cuda.set_rng_state(rng["cuda"])
 
 
+def measured(method):
+    """A worker method whose peak memory is kept under its name until phase_peak_memory reads it: from its own
+    start on a GPU and on Linux, where the high-water mark can be reset (on the CPU the resident set then holds what
+    the C allocator kept of the last phase's freed tensors, to reuse: it counts); elsewhere the process's peak so far."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        reset_peak_memory(self.device)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.phase_peaks[method.__name__] = max(self.phase_peaks.get(method.__name__, 0.0), peak_memory_gb(self.device))
+
+    return call
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif os.path.exists("/proc/self/clear_refs"):
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")  # resets the resident set's high-water mark (VmHWM)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak accelerator memory on a GPU, peak resident memory of the process on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    if os.path.exists("/proc/self/status"):
+        with open("/proc/self/status") as status:
+            [kilobytes] = [line.split()[1] for line in status if line.startswith("VmHWM:")]
+        return int(kilobytes) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**30  # bytes on macOS
+
+
 def compute_dtype_for(name: str, device: torch.device) -> torch.dtype:
     """`name` as a dtype; "auto": bf16 where the hardware computes it natively (GPUs, CPUs with AVX512-BF16 or AMX),
     and fp32 elsewhere, where bf16 is emulated."""
@@ -463,6 +514,15 @@ def compute_dtype_for(name: str, device: torch.device) -> torch.dtype:
         return torch.bfloat16
     native = getattr(torch.cpu, "_is_avx512_bf16_supported", bool)() or getattr(torch.cpu, "_is_amx_tile_supported", bool)()
     return torch.bfloat16 if native else torch.float32
+
+
+def frozen_weights_fit(frozen: set[torch.nn.Parameter], dtype: torch.dtype, device: torch.device, workers: int) -> bool:
+    """Whether whole copies of the frozen weights take at most a quarter of the memory: a GPU's own, or on the CPU
+    the machine's, shared by its `workers`. The rest is for the engine, activations, the optimiser and the driver."""
+    size = sum(p.numel() for p in frozen) * dtype.itemsize
+    if device.type == "cuda":
+        return size <= torch.cuda.get_device_properties(device).total_memory / 4
+    return size * workers <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 4
 
 
 def attention_implementation(device: torch.device) -> str:
@@ -640,6 +700,7 @@ class PolicyWorker(FSDPWorker):
                 frozen=not self.trains,
             )
 
+    @measured
     @torch.no_grad()
     def generate(
         self,
@@ -672,11 +733,13 @@ class PolicyWorker(FSDPWorker):
         model.eval()
         return self._in_micro_batches(data, lambda micro: self._forward(model, micro, with_entropy))
 
+    @measured
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """Per-token log-probs and entropies of the responses under the current policy."""
         log_probs, entropy = self._log_probs(data, self.model, with_entropy=True)
         return DataProto.from_dict({"old_log_probs": log_probs, "entropy": entropy})
 
+    @measured
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """Per-token log-probs under the reference: the base model (LoRA off) or the frozen copy."""
         with self.model.disable_adapter() if self.lora else nullcontext():
@@ -701,6 +764,8 @@ class PolicyWorker(FSDPWorker):
         dtype = model.config.dtype or torch.float32
         if self.lora:
             model = self._add_lora(model)
+            # The base never trained: the file's own weights, not the copy replicated in the compute dtype.
+            state = model.state_dict() | {name: state[name] for name, p in self.model.named_parameters() if p.requires_grad}
         model.load_state_dict(state)
         if self.lora and not adapter_only:
             model = model.merge_and_unload()
@@ -711,6 +776,7 @@ class PolicyWorker(FSDPWorker):
         shutil.rmtree(path, ignore_errors=True)
         os.rename(scratch, path)
 
+    @measured
     def update(self, data: DataProto, loss_fn) -> dict:
         """PPO-style update with the script's `loss_fn(micro_batch, (log_prob, entropy), ...)`."""
         return self._update(data, loss_fn, lambda micro: self._forward(self.model, micro, with_entropy=True))
@@ -735,12 +801,14 @@ class CriticWorker(FSDPWorker):
         response_mask = micro["attention_mask"][:, -micro["responses"].shape[1] :].bool()
         return rows_of(response_outputs(self.model, micro, self.layout, language_model=False)[:, 0].float(), response_mask)
 
+    @measured
     @torch.no_grad()
     def compute_values(self, data: DataProto) -> DataProto:
         self.model.eval()
         [values] = self._in_micro_batches(data, lambda micro: (self._forward(micro),))
         return DataProto.from_dict({"values": values})
 
+    @measured
     def update(self, data: DataProto, loss_fn) -> dict:
         """Regress values with the script's `loss_fn(micro_batch, values, ...)`."""
         return self._update(data, loss_fn, self._forward)
@@ -765,6 +833,7 @@ class RewardModelWorker(FSDPWorker):
             )
         return model
 
+    @measured
     @torch.no_grad()
     def compute_rm_score(self, data: DataProto) -> DataProto:
         """`rm_scores`: one per right-padded sequence of `data` (`input_ids`, `attention_mask`, `position_ids`)."""
@@ -796,6 +865,7 @@ class JudgeWorker(PolicyWorker):
     def setup(self, master, model_path: str, **settings) -> None:
         super().setup(master, model_path, use_reference=False, **settings)
 
+    @measured
     @torch.no_grad()
     def verdict_log_probs(self, data: DataProto, yes_ids: list[int], no_ids: list[int]) -> DataProto:
         """For each question of `data` (with a one-token response, whose own token is not read): the log-probs of

@@ -38,6 +38,9 @@ SHARED_METRICS = [
     "timing/update",
     "timing/step",
     "perf/tokens_per_s",
+    "perf/peak_memory_gb",
+    "perf/peak_memory_gb/policy/generate",
+    "perf/peak_memory_gb/policy/update",
     "reward/errors",
     "rollout/logprob_diff_mean",
     "rollout/logprob_diff_max",
@@ -69,6 +72,8 @@ ALGORITHM_METRICS = {
         "critic/vf_clipfrac",
         "critic/values_mean",
         "critic/explained_variance",
+        "perf/peak_memory_gb/critic/compute_values",
+        "perf/peak_memory_gb/critic/update",
     ],
     "rloo": ["actor/kl"],
     "reinforcepp": ["actor/kl"],
@@ -124,6 +129,8 @@ def test_two_steps_with_two_workers(ray_cluster, demo_files, tmp_path, algo, fla
     for name in SHARED_METRICS + ALGORITHM_METRICS[algo]:
         assert name in rows[2], name
     assert rows[2]["actor/grad_norm"] > 0
+    peaks = [value for key, value in rows[2].items() if key.startswith("perf/peak_memory_gb/")]
+    assert 0 < min(peaks) and max(peaks) == rows[2]["perf/peak_memory_gb"]
     if "--overlong-buffer-length" in flags:  # 0: no overlong shaping at all
         assert rows[2]["reward/overlong_penalty_mean"] == 0 and rows[2]["response/overlong_ratio"] == 0
     if "--critic-warmup" in flags:  # the policy first updates at that step, the critic from the start

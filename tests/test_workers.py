@@ -2,6 +2,7 @@
 
 import math
 import sys
+from collections import defaultdict
 from functools import partial
 
 import numpy as np
@@ -14,7 +15,7 @@ import grpo_hybrid
 from common.data import load_prompts
 from common.dataproto import DataProto
 from common.rollout import check_rollout
-from common.workers import CriticWorker, PolicyWorker, WorkerGroup, lr_factor
+from common.workers import CriticWorker, PolicyWorker, WorkerGroup, lr_factor, measured
 
 # The loss travels to the workers by value, as it does from a script run as __main__; so do the probes below.
 cloudpickle.register_pickle_by_value(grpo_hybrid)
@@ -28,7 +29,7 @@ class Probe:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered whole, on the CPU (a collective: call every rank)."""
         self.model.reshard()  # FSDP2 keeps the root unsharded after a forward
-        return {name: p.full_tensor().cpu() for name, p in self.model.named_parameters()}
+        return {name: getattr(p, "full_tensor", p.detach)().cpu() for name, p in self.model.named_parameters()}
 
     def set(self, **settings) -> None:
         for name, value in settings.items():
@@ -54,6 +55,20 @@ class PolicyProbe(Probe, PolicyWorker):
         """The compute dtype, the micro-batch layout, and the dtypes of the master weights."""
         self.model.reshard()  # unsharded, FSDP2 shows the gathered copies, in the compute dtype
         return str(self.compute_dtype), self.layout, sorted({str(p.dtype) for p in self.model.parameters()})
+
+    @measured
+    def hold(self, gigabytes: float) -> None:
+        """Fill `gigabytes` of memory for the length of the call."""
+        torch.ones(int(gigabytes * 2**30) // 4)
+
+    def parameter_layouts(self) -> dict[str, str]:
+        """How the adapter's and the base model's weights lie on this rank: sharded or whole, and their dtype."""
+        self.model.reshard()
+        layouts = defaultdict(set)
+        for name, p in self.model.named_parameters():
+            layout = f"{'sharded' if hasattr(p, 'full_tensor') else 'whole'} {p.dtype}"
+            layouts["adapter" if "lora_" in name else "base"].add(layout)
+        return {part: "/".join(sorted(kinds)) for part, kinds in layouts.items()}
 
 
 class CriticProbe(Probe, CriticWorker):
@@ -308,6 +323,50 @@ def test_lora_reference_is_the_base_model(cpu_pool, tiny_model, prompts):
         assert (after - base)[mask].abs().max() > 1e-3
     finally:
         group.shutdown()
+
+
+def test_peak_memory_is_measured_per_method(policy, prompts):
+    """Each method's peak memory counts from its own start: the gigabyte one call held is not in the next call's
+    peak (Linux resets the resident set's high-water mark; a GPU, its allocator's). Each peak is read once."""
+    policy.broadcast("phase_peak_memory")
+    policy.broadcast("hold", 1.0)
+    batch = rollout(policy, prompts)
+    policy.scatter("compute_log_prob", batch.select(*LOG_PROB_INPUTS))
+    for peaks in policy.broadcast("phase_peak_memory"):
+        assert set(peaks) == {"hold", "generate", "compute_log_prob"}
+        assert peaks["hold"] > peaks["compute_log_prob"] + 0.9 and peaks["hold"] > peaks["generate"] + 0.9
+        assert peaks["compute_log_prob"] > 0
+    assert policy.broadcast("phase_peak_memory") == [{}, {}]
+
+
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_lora_frozen_weights_replicated_or_sharded_compute_alike(policy, cpu_pool, tiny_model, prompts, compute_dtype):
+    """With LoRA the frozen base weights are whole on every rank when they fit (the tiny model's do), in the compute
+    dtype, else sharded as the adapter is: the log-probs, the reference's, the update and the adapter it leaves are
+    the same either way."""
+    batch = rollout(policy, prompts, n=2)
+    batch["advantages"] = torch.linspace(-1, 1, len(batch))[:, None] * batch["response_mask"]
+    settings = dict(model_path=tiny_model, lr=1e-2, lora_rank=4, lora_alpha=8, micro_batch_size=3, compute_dtype=compute_dtype)
+    results = {}
+    for replicate in (None, False):
+        group = WorkerGroup(PolicyProbe, cpu_pool, f"lora-frozen-{replicate}", replicate_frozen=replicate, **settings)
+        try:
+            layouts = group.broadcast("parameter_layouts")
+            inputs = batch.select(*LOG_PROB_INPUTS)
+            log_probs = group.scatter("compute_log_prob", inputs)["old_log_probs"]
+            reference = group.scatter("compute_ref_log_prob", inputs)["ref_log_probs"]
+            loss_fn = partial(grpo_hybrid.actor_loss, args=grpo_hybrid.Args(kl_loss_coef=0.0))
+            update_inputs = batch.select(*LOG_PROB_INPUTS, "response_mask", "rollout_log_probs", "advantages")
+            metrics = group.scatter("update", update_inputs, loss_fn=loss_fn)
+            trained = {name: t for name, t in group.broadcast("full_state_dict")[0].items() if "lora_" in name}
+            results[replicate] = layouts, log_probs, reference, metrics[0]["grad_norm"], trained
+        finally:
+            group.shutdown()
+    (replicated_layouts, *replicated), (sharded_layouts, *sharded) = results[None], results[False]
+    adapter = "sharded torch.float32"  # master weights
+    assert replicated_layouts[0] == replicated_layouts[1] == {"adapter": adapter, "base": f"whole torch.{compute_dtype}"}
+    assert sharded_layouts[0] == {"adapter": adapter, "base": "sharded torch.float32"}
+    torch.testing.assert_close(replicated, sharded, rtol=1e-5, atol=1e-6)
 
 
 def test_validation_with_n_samples_reports_mean_and_pass_at_n(policy, demo_files, tokenizer):
