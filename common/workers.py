@@ -259,19 +259,18 @@ class FSDPWorker:
         frozen = {p for p in model.parameters() if not p.requires_grad} if self.lora else set()
         if replicate_frozen is None:
             replicate_frozen = frozen_weights_fit(frozen, self.compute_dtype, self.device, self.world_size)
-        self.replicated = frozen if replicate_frozen else set()
-        self.model = self._shard(model, replicated=self.replicated)
+        self.model = self._shard(model, replicated=frozen if replicate_frozen else set())
         self._build_optimizer(lr, weight_decay, lr_warmup_steps, lr_decay_steps)
         packing = "one row" if self.attention == "flash_attention_2" else "rows"
         self.layout = packing if self.packs and self._packs_exactly(packing) else "padded"
         if self.rank == 0:
             packs = self.layout != "padded" or not self.packs
             layout = "" if packs else " (this model's attention lets packed sequences see each other)"
-            frozen = f", frozen weights: {'replicated' if self.replicated else 'sharded'}" if self.lora else ""
+            frozen_layout = f", frozen weights: {'replicated' if replicate_frozen else 'sharded'}" if self.lora else ""
             print(
                 f"{type(self).__name__}: {self.world_size} x {self.device.type}, compute: {self.compute_dtype}, "
                 f"attention: {self.attention}, "
-                f"micro-batches: {self.layout}{layout}{frozen}"
+                f"micro-batches: {self.layout}{layout}{frozen_layout}"
             )
 
     def _init_distributed(self, master: tuple[str, int], seed: int) -> None:
