@@ -125,12 +125,16 @@ class WorkerGroup:
         """Split `data` across ranks (padding to a multiple of the world size), call all, reassemble.
 
         Sequences (rows with an `attention_mask`) are dealt so that every rank gets as many rows and near-equal tokens
-        (balanced_parts): the rank with the long answers would otherwise set the pace. DataProto results come back
-        in `data`'s order, unpadded; others as a list per rank.
+        (balanced_parts): the rank with the long answers would otherwise set the pace. The samples of one prompt go to
+        one rank where they fit, to share the prompt's tokens there (see shared_prompt_places). DataProto results come
+        back in `data`'s order, unpadded; others as a list per rank.
         """
         padded, pad = data.pad_to_multiple(self.world_size)
         if "attention_mask" in padded:
-            parts = balanced_parts(padded["attention_mask"].sum(-1).tolist(), self.world_size, equal_size=True)
+            groups = None
+            if "responses" in padded:
+                groups = same_prompts(padded["input_ids"], padded["attention_mask"], padded["responses"].shape[1])
+            parts = balanced_parts(padded["attention_mask"].sum(-1).tolist(), self.world_size, equal_size=True, groups=groups)
         else:
             parts = np.array_split(np.arange(len(padded)), self.world_size)
         results = self._get([self._call(w, method, padded[rows], **kwargs) for w, rows in zip(self.workers, parts)], method)
@@ -153,18 +157,26 @@ class WorkerGroup:
                 pass
 
 
-def balanced_parts(weights: list[float], parts: int, equal_size: bool = False) -> list[np.ndarray]:
+def balanced_parts(
+    weights: list[float], parts: int, equal_size: bool = False, groups: list[int] | None = None
+) -> list[np.ndarray]:
     """Indices of `weights` in `parts` parts of near-equal total weight (greedy number partitioning: the heaviest
     item goes to the lightest part), each part in ascending order. With `equal_size`, each part takes
-    len(weights) / parts items."""
+    len(weights) / parts items. With `groups` (one per item), the items of a group go together, the heaviest group
+    first, to the lightest part with room; those that do not fit there go on to the next."""
     if equal_size and len(weights) % parts:
         raise ValueError(f"{len(weights)} items do not split into {parts} parts of equal size")
     room = len(weights) // parts if equal_size else len(weights)
+    items_of = defaultdict(list)
+    for i, group in enumerate(range(len(weights)) if groups is None else groups):
+        items_of[group].append(i)
     members, loads = [[] for _ in range(parts)], [0.0] * parts
-    for i in sorted(range(len(weights)), key=lambda i: -weights[i]):
-        part = min((p for p in range(parts) if len(members[p]) < room), key=lambda p: loads[p])
-        members[part].append(i)
-        loads[part] += weights[i]
+    for items in sorted(items_of.values(), key=lambda items: -sum(weights[i] for i in items)):
+        while items:
+            part = min((p for p in range(parts) if len(members[p]) < room), key=lambda p: loads[p])
+            taken, items = items[: room - len(members[part])], items[room - len(members[part]) :]
+            members[part] += taken
+            loads[part] += sum(weights[i] for i in taken)
     return [np.array(sorted(m), dtype=np.int64) for m in members]
 
 
@@ -261,8 +273,8 @@ class FSDPWorker:
             replicate_frozen = frozen_weights_fit(frozen, self.compute_dtype, self.device, self.world_size)
         self.model = self._shard(model, replicated=frozen if replicate_frozen else set())
         self._build_optimizer(lr, weight_decay, lr_warmup_steps, lr_decay_steps)
-        packing = "one row" if self.attention == "flash_attention_2" else "rows"
-        self.layout = packing if self.packs and self._packs_exactly(packing) else "padded"
+        packings = ["one row"] if self.attention == "flash_attention_2" else ["shared prompts", "rows"]
+        self.layout = next((packing for packing in packings if self.packs and self._packs_exactly(packing)), "padded")
         if self.rank == 0:
             packs = self.layout != "padded" or not self.packs
             layout = "" if packs else " (this model's attention lets packed sequences see each other)"
@@ -341,10 +353,12 @@ class FSDPWorker:
     @torch.no_grad()
     def _packs_exactly(self, packing: Layout) -> bool:
         """Whether packed micro-batches give this model's padded outputs (transformers keeps packed sequences apart
-        for most models): two made-up sequences that share a packed row, both ways, in the precision it trains in."""
+        for most models): three made-up sequences that share a packed row, two of them a prompt, both ways, in the
+        precision it trains in."""
         self.model.eval()
-        ids = torch.randint(self.model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
-        attention_mask = torch.tensor([[0] * 4 + [1] * 5 + [0] * 3, [0] * 3 + [1] * 6 + [0] * 3])
+        ids = torch.randint(self.model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(0))
+        ids[2, :6] = ids[0, :6]
+        attention_mask = torch.tensor([[0] * 4 + [1] * 5 + [0] * 3, [0] * 3 + [1] * 6 + [0] * 3, [0] * 4 + [1] * 7 + [0]])
         micro = DataProto.from_dict(
             {
                 "input_ids": ids * attention_mask,
@@ -566,7 +580,7 @@ def pack_rows(lengths: list[int], width: int) -> tuple[list[int], list[int]]:
     return row_of, offset_of
 
 
-Layout = Literal["padded", "one row", "rows"]
+Layout = Literal["padded", "one row", "rows", "shared prompts"]
 
 
 def response_outputs(model, micro: DataProto, layout: Layout, language_model: bool) -> torch.Tensor:
@@ -577,7 +591,9 @@ def response_outputs(model, micro: DataProto, layout: Layout, language_model: bo
     laid end to end with positions restarting per sequence, from which transformers builds attention that never
     crosses a sequence: "one row" holds them all, for flash-attention's variable-length kernel; "rows" fills rows as
     wide as the micro-batch, for kernels that take a dense mask (SDPA), whose cost grows with the square of a row's
-    width. A language model projects to the vocabulary only the positions read (see output_layer_at).
+    width. "shared prompts" also takes a dense mask, and runs a prompt's tokens once for all its samples in the
+    micro-batch (see shared_prompt_places). A language model projects to the vocabulary only the positions read (see
+    output_layer_at).
     """
     attention_mask = micro["attention_mask"].bool()
     response_length = micro["responses"].shape[1]
@@ -586,14 +602,17 @@ def response_outputs(model, micro: DataProto, layout: Layout, language_model: bo
         inputs = {key: micro[key] for key in ("input_ids", "attention_mask", "position_ids")}
         place = torch.arange(attention_mask.numel(), device=attention_mask.device).view(attention_mask.shape)
     else:
-        lengths = attention_mask.sum(-1)
-        width = int(lengths.sum()) if layout == "one row" else attention_mask.shape[1]
-        row_of, offset_of = pack_rows(lengths.tolist(), width)
-        start = torch.tensor(row_of, device=lengths.device) * width + torch.tensor(offset_of, device=lengths.device)
-        place = start[:, None] + attention_mask.cumsum(-1) - 1  # each token's place in the packed rows, read flat
-        tokens, size = place[attention_mask], (max(row_of) + 1) * width
-        inputs = {
-            key: micro[key].new_zeros(size).index_put_((tokens,), micro[key][attention_mask]).view(-1, width)
+        if layout == "shared prompts":
+            place, width, rows, attention = shared_prompt_places(micro["input_ids"], attention_mask, response_length)
+        else:
+            lengths = attention_mask.sum(-1)
+            width = int(lengths.sum()) if layout == "one row" else attention_mask.shape[1]
+            row_of, offset_of = pack_rows(lengths.tolist(), width)
+            start = torch.tensor(row_of, device=lengths.device) * width + torch.tensor(offset_of, device=lengths.device)
+            place, rows, attention = start[:, None] + attention_mask.cumsum(-1) - 1, max(row_of) + 1, {}
+        tokens = place[attention_mask]  # each token's place in the packed rows, read flat
+        inputs = attention | {
+            key: micro[key].new_zeros(rows * width).index_put_((tokens,), micro[key][attention_mask]).view(-1, width)
             for key in ("input_ids", "position_ids")  # padding at a row's end sits at position 0: a sequence of its own
         }
     read = place[:, -response_length - 1 : -1][response_mask]
@@ -601,6 +620,75 @@ def response_outputs(model, micro: DataProto, layout: Layout, language_model: bo
         with output_layer_at(model, read):
             return model(**inputs, use_cache=False).logits[0]
     return model(**inputs, use_cache=False).logits.flatten(0, 1)[read]
+
+
+# Segments of shared prompts may grow this wide (see shared_prompt_places): a token's attention scores, one per
+# head and token it sees, then take less memory than its other activations (some fifteen times the hidden size).
+SEGMENT_TOKENS = 1024
+
+
+def same_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int) -> list[int]:
+    """A group per row: rows with the same prompt (the tokens before the last `response_length`) share one."""
+    prompt_mask = attention_mask[:, :-response_length]
+    prompts = torch.cat([input_ids[:, :-response_length] * prompt_mask, prompt_mask], -1)
+    return torch.unique(prompts, dim=0, return_inverse=True)[1].tolist()
+
+
+def shared_prompt_places(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int):
+    """Where each token of a micro-batch goes when the samples of one prompt share its tokens (Liu et al. 2025,
+    "Prefix Grouper"): a segment holds a prompt once, then its samples' responses one after another, each response
+    attending to the prompt and to itself only, at the positions it has after the prompt. The prompt's last output
+    predicts every response's first token. Segments are packed into rows; none grows wider than SEGMENT_TOKENS or, if
+    more, than keeps the rows' attention scores (rows x width squared) about those of the padded rectangle.
+
+    Returns each token's flat place ([rows, width] read flat), the width, the number of rows and the model's
+    attention mask, [rows, 1, width, width] (True: may attend), as a keyword argument.
+    """
+    prompt_length = attention_mask.shape[1] - response_length
+    prompt_mask, response_mask = attention_mask[:, :prompt_length], attention_mask[:, prompt_length:]
+    prompt_lengths, response_lengths = prompt_mask.sum(-1).tolist(), response_mask.sum(-1).tolist()
+    same_prompt = same_prompts(input_ids, attention_mask, response_length)
+    # Segments of at most max_width tokens, in rows as wide, hold about as many attention scores as the padded
+    # rectangle does when their tokens (each prompt once) fill max_width x rows: shared_tokens x max_width. Up to
+    # SEGMENT_TOKENS wide, a token's scores (one per head and token it sees) take less than its other activations.
+    shared_tokens = sum(response_lengths) + sum(dict(zip(same_prompt, prompt_lengths)).values())
+    padded_width = attention_mask.shape[1]
+    max_width = max(padded_width, SEGMENT_TOKENS, attention_mask.numel() * padded_width // shared_tokens)
+    segments, open_segment = [], {}  # segments: [rows sharing a prompt]; open_segment: a prompt's last one, its length
+    for row, prompt in enumerate(same_prompt):
+        members, length = open_segment.get(prompt, (None, 0))
+        if members is None or length + response_lengths[row] > max_width:
+            members, length = [], prompt_lengths[row]
+            segments.append(members)
+        members.append(row)
+        open_segment[prompt] = (members, length + response_lengths[row])
+    lengths = [prompt_lengths[members[0]] + sum(response_lengths[row] for row in members) for members in segments]
+    width = max(lengths)
+    row_of, offset_of = pack_rows(lengths, width)
+    prompt_start, response_start = [0] * len(same_prompt), [0] * len(same_prompt)
+    segment_of, part_of = [-1] * len(same_prompt), [0] * len(same_prompt)
+    for segment, members in enumerate(segments):
+        start = row_of[segment] * width + offset_of[segment]
+        end = start + prompt_lengths[members[0]]
+        for row in members:
+            prompt_start[row], response_start[row], segment_of[row], part_of[row] = start, end, segment, row + 1
+            end += response_lengths[row]
+    prompt_start, response_start, segment_of, part_of = (
+        torch.tensor(v, device=attention_mask.device)[:, None] for v in (prompt_start, response_start, segment_of, part_of)
+    )
+    place = torch.cat([prompt_start + prompt_mask.cumsum(-1) - 1, response_start + response_mask.cumsum(-1) - 1], -1)
+    tokens, size = place[attention_mask], (max(row_of) + 1) * width
+    # Each place's segment and part (0: the prompt, else 1 + the response's row); a padding place is a segment alone.
+    segment_at = -1 - torch.arange(size, device=attention_mask.device)
+    segment_at[tokens] = segment_of.expand_as(attention_mask)[attention_mask]
+    part_at = torch.zeros_like(segment_at)
+    part_at[place[:, prompt_length:][response_mask]] = part_of.expand_as(response_mask)[response_mask]
+    segment_at, part_at = segment_at.view(-1, width), part_at.view(-1, width)
+    same_segment = segment_at[:, :, None] == segment_at[:, None, :]
+    prompt_or_same_part = (part_at[:, None, :] == 0) | (part_at[:, :, None] == part_at[:, None, :])
+    causal = torch.ones(width, width, dtype=torch.bool, device=attention_mask.device).tril()
+    mask = same_segment & prompt_or_same_part & causal
+    return place, width, max(row_of) + 1, {"attention_mask": mask[:, None]}
 
 
 @contextmanager

@@ -5,16 +5,26 @@ import pytest
 import torch
 
 from common.dataproto import DataProto
-from common.workers import _response_log_probs, balanced_parts, pack_rows, part_loads, response_outputs, rows_of
+from common.workers import (
+    _response_log_probs,
+    balanced_parts,
+    pack_rows,
+    part_loads,
+    response_outputs,
+    rows_of,
+    shared_prompt_places,
+)
 
 
 def uneven_batch(vocab_size: int) -> DataProto:
-    """Left-padded prompts of 1 to 7 tokens and right-padded responses of 1 to 6."""
-    prompt_lengths, response_lengths = torch.tensor([7, 3, 5, 1, 7, 2]), torch.tensor([6, 1, 3, 2, 4, 6])
+    """Left-padded prompts of 1 to 7 tokens and right-padded responses of 1 to 6; rows 4 and 5 sample the prompts of
+    rows 0 and 1 again, row 6 that of row 0 a third time."""
+    prompt_lengths, response_lengths = torch.tensor([7, 3, 5, 1, 7, 3, 7]), torch.tensor([6, 1, 3, 2, 4, 6, 2])
     prompt_mask = (torch.arange(7)[None] >= 7 - prompt_lengths[:, None]).long()
     response_mask = (torch.arange(6)[None] < response_lengths[:, None]).long()
     attention_mask = torch.cat([prompt_mask, response_mask], -1)
     input_ids = torch.randint(3, vocab_size, attention_mask.shape, generator=torch.Generator().manual_seed(0))
+    input_ids[[4, 5, 6], :7] = input_ids[[0, 1, 0], :7]
     input_ids = input_ids * attention_mask
     return DataProto.from_dict(
         {
@@ -26,7 +36,7 @@ def uneven_batch(vocab_size: int) -> DataProto:
     )
 
 
-@pytest.mark.parametrize("packing", ["rows", "one row"])
+@pytest.mark.parametrize("packing", ["rows", "one row", "shared prompts"])
 def test_packed_log_probs_entropies_gradients_and_step_equal_the_padded_ones(tiny_model, packing):
     from transformers import AutoModelForCausalLM
 
@@ -43,7 +53,7 @@ def test_packed_log_probs_entropies_gradients_and_step_equal_the_padded_ones(tin
         torch.optim.SGD(model.parameters(), lr=1.0).step()
         results.append((rows_of(log_probs, mask), rows_of(entropy, mask), gradients, model.state_dict()))
     (padded_log_probs, padded_entropy, padded_grads, padded_weights), (log_probs, entropy, grads, weights) = results
-    assert padded_log_probs.shape == (6, 6) and torch.all(padded_log_probs[~mask] == 0)
+    assert padded_log_probs.shape == (7, 6) and torch.all(padded_log_probs[~mask] == 0)
     torch.testing.assert_close(log_probs, padded_log_probs, rtol=0, atol=1e-5)
     torch.testing.assert_close(entropy, padded_entropy, rtol=0, atol=1e-5)
     for name, gradient in padded_grads.items():
@@ -51,7 +61,7 @@ def test_packed_log_probs_entropies_gradients_and_step_equal_the_padded_ones(tin
         torch.testing.assert_close(weights[name], padded_weights[name], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("packing", ["rows", "one row"])
+@pytest.mark.parametrize("packing", ["rows", "one row", "shared prompts"])
 def test_packed_values_equal_the_padded_ones(tiny_model, packing):
     from transformers import AutoModelForTokenClassification
 
@@ -60,6 +70,27 @@ def test_packed_values_equal_the_padded_ones(tiny_model, packing):
     padded, packed = (response_outputs(model, batch, layout, language_model=False) for layout in ("padded", packing))
     assert packed.shape == (int(batch["attention_mask"][:, 7:].sum()), 1)
     torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5)
+
+
+def test_shared_prompts_run_once_for_their_samples_and_no_wider_than_the_padded_attention():
+    batch = uneven_batch(100)
+    place, width, rows, inputs = shared_prompt_places(batch["input_ids"], batch["attention_mask"].bool(), 6)
+    mask = batch["attention_mask"].bool()
+    # Rows 0, 4 and 6 read row 0's prompt from the same places, rows 1 and 5 row 1's; every other token has its own.
+    assert torch.equal(place[4, :7][mask[4, :7]], place[0, :7][mask[0, :7]]) and torch.equal(place[6, :7], place[0, :7])
+    assert torch.equal(place[5, :7][mask[5, :7]], place[1, :7][mask[1, :7]])
+    assert len(place[mask].unique()) == int(mask.sum()) - 7 - 7 - 3 == 40
+    # Segments: row 0's prompt with its 3 responses (19 tokens), row 1's with 2 (10), rows 2 and 3 alone (8 and 3),
+    # in rows as wide as the widest: 19, then 10 + 8, then 3.
+    assert width == 19 and rows == 3 and inputs["attention_mask"].shape == (3, 1, 19, 19)
+    attention = inputs["attention_mask"][0, 0]
+    response_of_row_4 = place[4, 7:11] % width
+    assert attention[response_of_row_4[-1]].sum() == 7 + 4  # the prompt and its own response, not row 0's
+    # 12 samples of one prompt (7 tokens), each answer 300 tokens: one segment would hold 3,607 tokens and 13 million
+    # attention scores, against the rectangle's 1.1 million. Segments of at most 1,024 tokens (SEGMENT_TOKENS): 4.
+    prompt, answer = torch.ones(12, 7, dtype=torch.long), torch.ones(12, 300, dtype=torch.long)
+    place, width, rows, _ = shared_prompt_places(torch.cat([prompt, answer], -1), torch.ones(12, 307, dtype=torch.bool), 300)
+    assert width == 7 + 3 * 300 and rows == 4 and len(place[:, 6].unique()) == 4
 
 
 def test_attention_that_crosses_sequences_would_be_caught(tiny_model):
@@ -88,6 +119,11 @@ def test_balanced_parts_deal_the_heaviest_first_to_the_lightest_part():
     assert [p.tolist() for p in parts] == [[0], [1], [2], [3]]
     with pytest.raises(ValueError, match="5 items do not split into 2 parts of equal size"):
         balanced_parts([1] * 5, 2, equal_size=True)
+    # Groups stay whole where they fit: each part takes one group of 4; groups of 3 split only where room is left.
+    parts = balanced_parts([1] * 8, 2, equal_size=True, groups=[0, 1, 0, 1, 0, 1, 0, 1])
+    assert [p.tolist() for p in parts] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    parts = balanced_parts([1] * 6, 2, equal_size=True, groups=[0, 0, 1, 1, 2, 2])
+    assert sorted(map(len, parts)) == [3, 3] and sum(set(p.tolist()) in ({0, 1}, {2, 3}, {4, 5}) for p in parts) == 0
     rng = np.random.default_rng(0)
     lengths = np.clip(rng.lognormal(5, 1, 512), 16, 1024).tolist()
     loads = part_loads(lengths, balanced_parts(lengths, 8, equal_size=True))

@@ -37,9 +37,9 @@ class Probe:
 
 
 class PolicyProbe(Probe, PolicyWorker):
-    def load_of(self, data: DataProto) -> tuple[int, int]:
-        """The rows and tokens this rank was dealt."""
-        return len(data), int(data["attention_mask"].sum())
+    def load_of(self, data: DataProto) -> tuple[int, int, int]:
+        """The rows, tokens and distinct prompts this rank was dealt."""
+        return len(data), int(data["attention_mask"].sum()), len(data["prompts"].unique(dim=0))
 
     def fsdp_units(self) -> int:
         from torch.distributed.fsdp import FSDPModule
@@ -223,8 +223,10 @@ def test_ranks_get_even_tokens_and_micro_batches_fit_the_budget(policy, prompts,
         batch["prompts"], batch["prompt_mask"], responses, torch.zeros(20, 4), 4, [tokenizer.eos_token_id], 0
     )
     lengths = batch["attention_mask"].sum(-1)
-    rows, tokens = zip(*policy.scatter("load_of", batch.select(*LOG_PROB_INPUTS)))
+    rows, tokens, distinct_prompts = zip(*policy.scatter("load_of", batch.select(*LOG_PROB_INPUTS, "prompts")))
     assert rows == (10, 10) and sum(tokens) == lengths.sum()
+    # 5 prompts x 4 samples: 2 prompts' samples whole on each rank, the fifth's split, to share the prompts' tokens
+    assert distinct_prompts == (3, 3)
     assert abs(tokens[0] - tokens[1]) <= lengths.max()
     halves = batch["attention_mask"].sum(-1).split(10)
     assert abs(tokens[0] - tokens[1]) < abs(halves[0].sum() - halves[1].sum())
@@ -275,7 +277,7 @@ def test_bf16_compute_over_fp32_master_weights(cpu_pool, tiny_model, prompts):
     update changes stay fp32."""
     group = WorkerGroup(PolicyProbe, cpu_pool, "bf16", model_path=tiny_model, compute_dtype="bfloat16", lr=1e-2)
     try:
-        assert group.broadcast("compute_setup")[0] == ("torch.bfloat16", "rows", ["torch.float32"])
+        assert group.broadcast("compute_setup")[0] == ("torch.bfloat16", "shared prompts", ["torch.float32"])
         batch = rollout(group, prompts, n=4)
         batch |= group.scatter("compute_log_prob", batch.select(*LOG_PROB_INPUTS))
         mask = batch["response_mask"].bool()
