@@ -126,6 +126,9 @@ class RunArgs:
     elsewhere"""
     gradient_checkpointing: bool = False
     """recompute activations in backward to save memory"""
+    log_prob_chunk_tokens: int = flag(1024, resumable=True)
+    """response tokens whose logits over the vocabulary exist at once in the log-prob, reference and update passes
+    (the update computes each chunk's again in backward); 0: all of a micro-batch's at once"""
     lora_rank: int = 0
     """LoRA rank; 0 trains every weight. With LoRA the reference is the model with its adapter disabled"""
     lora_alpha: int = 16
@@ -212,6 +215,8 @@ class Run:
         check_batch_sizes(args.train_batch_size, args.mini_batch_size, args.n, num_workers)
         check_rollout(args.rollout_engine, args.temperature, args.top_p, args.top_k, args.lora_sync, args.offload)
         longest = args.max_prompt_length + args.max_response_length
+        if args.log_prob_chunk_tokens < 0:
+            raise ValueError(f"--log-prob-chunk-tokens is {args.log_prob_chunk_tokens}; use 0 for all at once, or more")
         if args.micro_batch_tokens < 0:
             raise ValueError(f"--micro-batch-tokens is {args.micro_batch_tokens}; use 0 to count sequences, or more")
         if args.micro_batch_tokens > 0 and longest > args.micro_batch_tokens:
@@ -399,6 +404,7 @@ class Run:
             lora_sync=args.lora_sync,
             offload=args.offload,
             max_model_len=args.max_prompt_length + args.max_response_length,
+            log_prob_chunk_tokens=args.log_prob_chunk_tokens,
         )
         return self.workers(PolicyWorker, "policy", **(rollout | settings))
 

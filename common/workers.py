@@ -583,7 +583,7 @@ def pack_rows(lengths: list[int], width: int) -> tuple[list[int], list[int]]:
 Layout = Literal["padded", "one row", "rows", "shared prompts"]
 
 
-def response_outputs(model, micro: DataProto, layout: Layout, language_model: bool) -> torch.Tensor:
+def response_outputs(model, micro: DataProto, layout: Layout, language_model: bool, head_outputs=None) -> torch.Tensor:
     """The model's output (a language model's logits, a critic's values) at the position before each real response
     token: one row per token where `attention_mask`'s response part is 1, the micro-batch's rows one after another.
 
@@ -593,7 +593,7 @@ def response_outputs(model, micro: DataProto, layout: Layout, language_model: bo
     wide as the micro-batch, for kernels that take a dense mask (SDPA), whose cost grows with the square of a row's
     width. "shared prompts" also takes a dense mask, and runs a prompt's tokens once for all its samples in the
     micro-batch (see shared_prompt_places). A language model projects to the vocabulary only the positions read (see
-    output_layer_at).
+    output_layer_at), or gives `head_outputs`' instead of logits.
     """
     attention_mask = micro["attention_mask"].bool()
     response_length = micro["responses"].shape[1]
@@ -617,7 +617,7 @@ def response_outputs(model, micro: DataProto, layout: Layout, language_model: bo
         }
     read = place[:, -response_length - 1 : -1][response_mask]
     if language_model:
-        with output_layer_at(model, read):
+        with output_layer_at(model, read, head_outputs):
             return model(**inputs, use_cache=False).logits[0]
     return model(**inputs, use_cache=False).logits.flatten(0, 1)[read]
 
@@ -692,19 +692,59 @@ def shared_prompt_places(input_ids: torch.Tensor, attention_mask: torch.Tensor, 
 
 
 @contextmanager
-def output_layer_at(model, read: torch.Tensor):
+def output_layer_at(model, read: torch.Tensor, head_outputs=None):
     """Apply a language model's output layer only at the flat positions `read` of its [rows, width] hidden states.
 
     Logits over the whole vocabulary at every position are a pass's largest tensor (a 49k vocabulary makes 196 kB per
     token in fp32, against 2 kB of hidden state for a 576-wide model), yet only the tokens before a response's are read:
-    the rest, prompts and padding, would cost compute and memory for nothing. The logits come back as one row.
+    the rest, prompts and padding, would cost compute and memory for nothing. The logits come back as one row; with
+    `head_outputs(hidden, output_layer)`, what it returns for those positions' hidden states comes back in their place
+    (see chunked_log_probs).
     """
     head = model.get_output_embeddings()
-    handle = head.register_forward_pre_hook(lambda module, args: (args[0].flatten(0, 1)[read][None],))
+    output_layer = head.forward
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden.flatten(0, 1)[read]
+        return (output_layer(hidden) if head_outputs is None else head_outputs(hidden, output_layer))[None]
+
+    head.forward = forward
     try:
         yield
     finally:
-        handle.remove()
+        del head.forward  # the class's own again
+
+
+def chunked_log_probs(
+    hidden: torch.Tensor, output_layer, responses: torch.Tensor, temperature: float, with_entropy: bool, chunk_tokens: int
+) -> torch.Tensor:
+    """Log-probs of `responses` (and entropies), [tokens, 2 or 1], from the hidden states before them: the logits over
+    the vocabulary for `chunk_tokens` tokens at a time (all at once with 0). With gradients and more than one chunk,
+    backward computes each chunk's logits again (activation checkpointing) instead of keeping them: at most one
+    chunk's logits exist at any time, not [tokens, vocabulary] in fp32, a response of 16k tokens' 3 GB per copy for a
+    49k vocabulary."""
+    from torch.utils.checkpoint import checkpoint
+
+    def log_probs_of(hidden: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
+        log_probs, entropy = _response_log_probs(output_layer(hidden), responses, temperature, with_entropy)
+        return torch.stack([log_probs, entropy], -1) if with_entropy else log_probs[:, None]
+
+    size = chunk_tokens or max(len(hidden), 1)
+    chunks = [slice(start, start + size) for start in range(0, len(hidden), size)]
+    if torch.is_grad_enabled() and len(chunks) > 1:
+        return torch.cat([checkpoint(log_probs_of, hidden[c], responses[c], use_reentrant=False) for c in chunks])
+    return torch.cat([log_probs_of(hidden[c], responses[c]) for c in chunks])
+
+
+@torch.no_grad()
+def head_outputs_pass_through(model, device: torch.device) -> bool:
+    """Whether what the output layer returns is the model's output unchanged (chunked_log_probs takes its place):
+    not so where the model changes its logits after the layer (Gemma 2's soft-capping, Granite's scaling)."""
+    read = torch.arange(3, device=device)
+    marks = torch.arange(1.0, 4.0, device=device)[:, None]
+    with output_layer_at(model, read, lambda hidden, output_layer: marks):
+        outputs = model(input_ids=torch.ones(1, 3, dtype=torch.long, device=device), use_cache=False).logits[0]
+    return torch.equal(outputs.float(), marks)
 
 
 def rows_of(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -745,16 +785,21 @@ class PolicyWorker(FSDPWorker):
         max_model_len: int = 2048,
         lora_sync: str = "auto",
         offload: bool = False,
+        log_prob_chunk_tokens: int = 0,
         **settings,
     ) -> None:
         """The policy (see FSDPWorker.setup), its rollout engine (common/rollout.py), and the reference.
 
-        Log-probs are those of the logits divided by `temperature`, the distribution rollouts sample from.
+        Log-probs are those of the logits divided by `temperature`, the distribution rollouts sample from, computed
+        over the vocabulary `log_prob_chunk_tokens` response tokens at a time (see chunked_log_probs; 0: all at once).
         """
         from transformers import AutoTokenizer
 
         super().setup(master, model_path, **settings)
         self.temperature = temperature
+        self.log_prob_chunk_tokens = log_prob_chunk_tokens if head_outputs_pass_through(self.model, self.device) else None
+        if self.rank == 0 and self.log_prob_chunk_tokens is None:
+            print(f"{type(self).__name__}: log-probs from whole logits (this model changes its output layer's output)")
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # The reference: with LoRA it is this same model with the adapter off.
         self.reference = None
@@ -811,8 +856,20 @@ class PolicyWorker(FSDPWorker):
     def _forward(self, model, micro: DataProto, with_entropy: bool):
         """Log-probs (and entropies) of the response tokens, 0 on padding."""
         response_mask = micro["attention_mask"][:, -micro["responses"].shape[1] :].bool()
-        logits = response_outputs(model, micro, self.layout, language_model=True)
-        log_probs, entropy = _response_log_probs(logits, micro["responses"][response_mask], self.temperature, with_entropy)
+        responses = micro["responses"][response_mask]
+        if self.log_prob_chunk_tokens is None:
+            logits = response_outputs(model, micro, self.layout, language_model=True)
+            log_probs, entropy = _response_log_probs(logits, responses, self.temperature, with_entropy)
+        else:
+            chunked = functools.partial(
+                chunked_log_probs,
+                responses=responses,
+                temperature=self.temperature,
+                with_entropy=with_entropy,
+                chunk_tokens=self.log_prob_chunk_tokens,
+            )
+            outputs = response_outputs(model, micro, self.layout, language_model=True, head_outputs=chunked)
+            log_probs, entropy = outputs[:, 0], outputs[:, -1]
         return rows_of(log_probs, response_mask), rows_of(entropy, response_mask) if with_entropy else None
 
     @torch.no_grad()

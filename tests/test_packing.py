@@ -1,5 +1,7 @@
 """Packed micro-batches against padded ones on the tiny model, and the partitioning that balances them."""
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -8,6 +10,8 @@ from common.dataproto import DataProto
 from common.workers import (
     _response_log_probs,
     balanced_parts,
+    chunked_log_probs,
+    head_outputs_pass_through,
     pack_rows,
     part_loads,
     response_outputs,
@@ -91,6 +95,74 @@ def test_shared_prompts_run_once_for_their_samples_and_no_wider_than_the_padded_
     prompt, answer = torch.ones(12, 7, dtype=torch.long), torch.ones(12, 300, dtype=torch.long)
     place, width, rows, _ = shared_prompt_places(torch.cat([prompt, answer], -1), torch.ones(12, 307, dtype=torch.bool), 300)
     assert width == 7 + 3 * 300 and rows == 4 and len(place[:, 6].unique()) == 4
+
+
+def test_log_probs_in_chunks_equal_them_whole_and_never_hold_more_than_a_chunk_of_logits(tiny_model):
+    """Chunks of 4 of the batch's 24 response tokens: log-probs, entropies and gradients as from the whole logits, and
+    no tensor as wide as the vocabulary ever holds more than 4 rows, in the forward or the backward (checked on every
+    tensor an operation returns); whole, the same probe sees all 24."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoModelForCausalLM
+
+    class WidestLogits(TorchDispatchMode):
+        rows = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            for tensor in result if isinstance(result, (tuple, list)) else [result]:
+                # [tokens, vocabulary]; not the output layer's weight, [hidden, vocabulary] when transposed
+                if (
+                    isinstance(tensor, torch.Tensor)
+                    and tensor.dim() == 2
+                    and tensor.shape[-1] == vocab_size
+                    and tensor.shape[0] != hidden_size
+                ):
+                    self.rows = max(self.rows, tensor.shape[0])
+            return result
+
+    results = []
+    for chunk_tokens in (4, 0):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="sdpa")
+        vocab_size, hidden_size = model.config.vocab_size, model.config.hidden_size
+        batch = uneven_batch(vocab_size)
+        mask = batch["attention_mask"][:, 7:].bool()
+        chunked = partial(chunked_log_probs, responses=batch["responses"][mask], temperature=0.7, with_entropy=True)
+        with WidestLogits() as probe:
+            outputs = response_outputs(model, batch, "shared prompts", True, partial(chunked, chunk_tokens=chunk_tokens))
+            log_probs, entropy = outputs[:, 0], outputs[:, 1]
+            advantages = torch.linspace(-1, 1, int(mask.sum()))
+            (-(log_probs * advantages).mean() - 0.01 * entropy.mean()).backward()
+        results.append((log_probs, entropy, {name: p.grad for name, p in model.named_parameters()}, probe.rows))
+    (log_probs, entropy, gradients, rows), (whole_log_probs, whole_entropy, whole_gradients, whole_rows) = results
+    logits = response_outputs(model, batch, "shared prompts", True)
+    expected_log_probs, expected_entropy = _response_log_probs(logits, batch["responses"][mask], 0.7, with_entropy=True)
+    torch.testing.assert_close(whole_log_probs, expected_log_probs, rtol=0, atol=1e-6)
+    torch.testing.assert_close(whole_entropy, expected_entropy, rtol=0, atol=1e-6)
+    torch.testing.assert_close(log_probs, whole_log_probs, rtol=0, atol=1e-6)
+    torch.testing.assert_close(entropy, whole_entropy, rtol=0, atol=1e-6)
+    for name, gradient in whole_gradients.items():
+        torch.testing.assert_close(gradients[name], gradient, rtol=1e-5, atol=1e-7)
+    assert rows == 4 and whole_rows == int(mask.sum()) == 24
+
+
+def test_log_probs_in_chunks_only_where_the_model_keeps_its_output_layer_output(tiny_model):
+    """Gemma 2 soft-caps its logits after the output layer: chunked log-probs would be capped in their place."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    llama = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    config = Gemma2Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        final_logit_softcapping=30.0,
+    )
+    gemma = AutoModelForCausalLM.from_config(config)
+    assert head_outputs_pass_through(llama, torch.device("cpu"))
+    assert not head_outputs_pass_through(gemma, torch.device("cpu"))
 
 
 def test_attention_that_crosses_sequences_would_be_caught(tiny_model):

@@ -271,6 +271,31 @@ def test_save_and_load_restore_weights(policy, prompts, tmp_path):
         assert torch.equal(saved[name], restored[name]), name
 
 
+def test_log_probs_in_chunks_train_as_whole_ones_through_fsdp(policy, prompts, tmp_path):
+    """Log-probs 2 response tokens at a time in the log-prob pass and the update (there each chunk's logits are
+    computed again in backward, inside FSDP's root unit): the same log-probs, entropies, gradient norm and weights
+    after the step as with all of a micro-batch's at once."""
+    policy.broadcast("save", str(tmp_path / "checkpoint"))
+    batch = rollout(policy, prompts[:4], n=2)
+    batch["advantages"] = torch.linspace(-1, 1, 8)[:, None] * batch["response_mask"]
+    inputs = batch.select(*LOG_PROB_INPUTS, "response_mask", "rollout_log_probs", "advantages")
+    loss_fn = partial(grpo_hybrid.actor_loss, args=grpo_hybrid.Args(kl_loss_coef=0.0))
+    results = []
+    for chunk_tokens in (2, 0):
+        policy.broadcast("set", log_prob_chunk_tokens=chunk_tokens)
+        passed = policy.scatter("compute_log_prob", batch.select(*LOG_PROB_INPUTS))
+        metrics = policy.scatter("update", inputs, loss_fn=loss_fn)
+        results.append((passed["old_log_probs"], passed["entropy"], metrics[0]["grad_norm"]))
+        results[-1] += (policy.broadcast("full_state_dict")[0],)
+        policy.broadcast("load", str(tmp_path / "checkpoint"))
+    (*chunked, chunked_weights), (*whole, whole_weights) = results
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(chunked_weights, whole_weights, rtol=0, atol=1e-6)
+    assert any(
+        (whole_weights[name] - weight).abs().max() > 1e-4 for name, weight in policy.broadcast("full_state_dict")[0].items()
+    )
+
+
 def test_bf16_compute_over_fp32_master_weights(cpu_pool, tiny_model, prompts):
     """--compute-dtype bfloat16 on the CPU: passes and generation in bf16 near the fp32 model's log-probs, the packing
     check still passes (at bf16's tolerance), the engine's log-probs stay within the guard's bound, and the weights an
