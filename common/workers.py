@@ -592,8 +592,9 @@ def response_outputs(model, micro: DataProto, layout: Layout, language_model: bo
     crosses a sequence: "one row" holds them all, for flash-attention's variable-length kernel; "rows" fills rows as
     wide as the micro-batch, for kernels that take a dense mask (SDPA), whose cost grows with the square of a row's
     width. "shared prompts" also takes a dense mask, and runs a prompt's tokens once for all its samples in the
-    micro-batch (see shared_prompt_places). A language model projects to the vocabulary only the positions read (see
-    output_layer_at), or gives `head_outputs`' instead of logits.
+    micro-batch (see shared_prompt_places); where no two of them share one, it packs as "rows" (which leaves a row
+    that holds one sequence to the causal kernel, with no mask at all). A language model projects to the vocabulary
+    only the positions read (see output_layer_at), or gives `head_outputs`' instead of logits.
     """
     attention_mask = micro["attention_mask"].bool()
     response_length = micro["responses"].shape[1]
@@ -602,7 +603,8 @@ def response_outputs(model, micro: DataProto, layout: Layout, language_model: bo
         inputs = {key: micro[key] for key in ("input_ids", "attention_mask", "position_ids")}
         place = torch.arange(attention_mask.numel(), device=attention_mask.device).view(attention_mask.shape)
     else:
-        if layout == "shared prompts":
+        prompts = same_prompts(micro["input_ids"], attention_mask, response_length) if layout == "shared prompts" else []
+        if len(set(prompts)) < len(prompts):
             place, width, rows, attention = shared_prompt_places(micro["input_ids"], attention_mask, response_length)
         else:
             lengths = attention_mask.sum(-1)

@@ -76,6 +76,16 @@ def test_packed_values_equal_the_padded_ones(tiny_model, packing):
     torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5)
 
 
+def test_shared_prompts_without_a_shared_prompt_pack_as_rows(tiny_model):
+    """Rows 0-3 have prompts of their own: no dense mask is built, the model runs exactly as packed in rows."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="sdpa")
+    batch = uneven_batch(model.config.vocab_size)[[0, 1, 2, 3]]
+    shared, rows = (response_outputs(model, batch, layout, language_model=True) for layout in ("shared prompts", "rows"))
+    assert torch.equal(shared, rows)
+
+
 def test_shared_prompts_run_once_for_their_samples_and_no_wider_than_the_padded_attention():
     batch = uneven_batch(100)
     place, width, rows, inputs = shared_prompt_places(batch["input_ids"], batch["attention_mask"].bool(), 6)
