@@ -105,10 +105,12 @@ def main():
     print(f"SmolLM2-135M-Instruct, LoRA 16, {args.num_workers} workers, one sequence each, compute {dtype}")
     print("| response tokens | log-prob chunks | gradient checkpointing | log-prob pass | update |")
     print("|---|---|---|---|---|")
-    for length, chunk_tokens, checkpointing in itertools.product(args.lengths, (0, 1024), (False, True)):
-        result = measure(pool, model_path, sequences(model_path, args.num_workers, length), chunk_tokens, checkpointing)
-        passes = " | ".join(result.get(method, "not run") for method in ("compute_log_prob", "update"))
-        print(f"| {length:,} | {chunk_tokens or 'none'} | {'on' if checkpointing else 'off'} | {passes} |", flush=True)
+    for length in args.lengths:
+        batch = sequences(model_path, args.num_workers, length)
+        for chunk_tokens, checkpointing in itertools.product((0, 1024), (False, True)):
+            result = measure(pool, model_path, batch, chunk_tokens, checkpointing)
+            passes = " | ".join(result.get(method, "not run") for method in ("compute_log_prob", "update"))
+            print(f"| {length:,} | {chunk_tokens or 'none'} | {'on' if checkpointing else 'off'} | {passes} |", flush=True)
     pool.shutdown()
 
 

@@ -605,7 +605,7 @@ def response_outputs(model, micro: DataProto, layout: Layout, language_model: bo
     else:
         prompts = same_prompts(micro["input_ids"], attention_mask, response_length) if layout == "shared prompts" else []
         if len(set(prompts)) < len(prompts):
-            place, width, rows, attention = shared_prompt_places(micro["input_ids"], attention_mask, response_length)
+            place, width, rows, attention = shared_prompt_places(prompts, attention_mask, response_length)
         else:
             lengths = attention_mask.sum(-1)
             width = int(lengths.sum()) if layout == "one row" else attention_mask.shape[1]
@@ -636,20 +636,20 @@ def same_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, response
     return torch.unique(prompts, dim=0, return_inverse=True)[1].tolist()
 
 
-def shared_prompt_places(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int):
+def shared_prompt_places(same_prompt: list[int], attention_mask: torch.Tensor, response_length: int):
     """Where each token of a micro-batch goes when the samples of one prompt share its tokens (Liu et al. 2025,
     "Prefix Grouper"): a segment holds a prompt once, then its samples' responses one after another, each response
     attending to the prompt and to itself only, at the positions it has after the prompt. The prompt's last output
     predicts every response's first token. Segments are packed into rows; none grows wider than SEGMENT_TOKENS or, if
     more, than keeps the rows' attention scores (rows x width squared) about those of the padded rectangle.
 
-    Returns each token's flat place ([rows, width] read flat), the width, the number of rows and the model's
-    attention mask, [rows, 1, width, width] (True: may attend), as a keyword argument.
+    `same_prompt`: each row's prompt, as same_prompts gives it. Returns each token's flat place ([rows, width] read
+    flat), the width, the number of rows and the model's attention mask, [rows, 1, width, width] (True: may attend),
+    as a keyword argument.
     """
     prompt_length = attention_mask.shape[1] - response_length
     prompt_mask, response_mask = attention_mask[:, :prompt_length], attention_mask[:, prompt_length:]
     prompt_lengths, response_lengths = prompt_mask.sum(-1).tolist(), response_mask.sum(-1).tolist()
-    same_prompt = same_prompts(input_ids, attention_mask, response_length)
     # Segments of at most max_width tokens, in rows as wide, hold about as many attention scores as the padded
     # rectangle does when their tokens (each prompt once) fill max_width x rows: shared_tokens x max_width. Up to
     # SEGMENT_TOKENS wide, a token's scores (one per head and token it sees) take less than its other activations.

@@ -16,6 +16,7 @@ from common.workers import (
     part_loads,
     response_outputs,
     rows_of,
+    same_prompts,
     shared_prompt_places,
 )
 
@@ -88,8 +89,8 @@ def test_shared_prompts_without_a_shared_prompt_pack_as_rows(tiny_model):
 
 def test_shared_prompts_run_once_for_their_samples_and_no_wider_than_the_padded_attention():
     batch = uneven_batch(100)
-    place, width, rows, inputs = shared_prompt_places(batch["input_ids"], batch["attention_mask"].bool(), 6)
     mask = batch["attention_mask"].bool()
+    place, width, rows, inputs = shared_prompt_places(same_prompts(batch["input_ids"], mask, 6), mask, 6)
     # Rows 0, 4 and 6 read row 0's prompt from the same places, rows 1 and 5 row 1's; every other token has its own.
     assert torch.equal(place[4, :7][mask[4, :7]], place[0, :7][mask[0, :7]]) and torch.equal(place[6, :7], place[0, :7])
     assert torch.equal(place[5, :7][mask[5, :7]], place[1, :7][mask[1, :7]])
@@ -102,8 +103,8 @@ def test_shared_prompts_run_once_for_their_samples_and_no_wider_than_the_padded_
     assert attention[response_of_row_4[-1]].sum() == 7 + 4  # the prompt and its own response, not row 0's
     # 12 samples of one prompt (7 tokens), each answer 300 tokens: one segment would hold 3,607 tokens and 13 million
     # attention scores, against the rectangle's 1.1 million. Segments of at most 1,024 tokens (SEGMENT_TOKENS): 4.
-    prompt, answer = torch.ones(12, 7, dtype=torch.long), torch.ones(12, 300, dtype=torch.long)
-    place, width, rows, _ = shared_prompt_places(torch.cat([prompt, answer], -1), torch.ones(12, 307, dtype=torch.bool), 300)
+    ids, mask = torch.ones(12, 7 + 300, dtype=torch.long), torch.ones(12, 7 + 300, dtype=torch.bool)
+    place, width, rows, _ = shared_prompt_places(same_prompts(ids, mask, 300), mask, 300)
     assert width == 7 + 3 * 300 and rows == 4 and len(place[:, 6].unique()) == 4
 
 
