@@ -126,6 +126,10 @@ class RunArgs:
     elsewhere"""
     gradient_checkpointing: bool = False
     """recompute activations in backward to save memory"""
+    sequence_parallel: int = flag(1, positive=True, resumable=True)
+    """workers that split each sequence's tokens among them in the log-prob, reference, value and update passes, for
+    responses too long for one worker's memory (Ulysses: they swap tokens for heads around attention);
+    --num-workers must be a multiple of it, and the batch sizes split over --num-workers / it"""
     log_prob_chunk_tokens: int = flag(1024, resumable=True)
     """response tokens whose logits over the vocabulary exist at once in the log-prob, reference and update passes
     (the update computes each chunk's again in backward); 0: all of a micro-batch's at once"""
@@ -203,6 +207,7 @@ class Run:
         from common.pretrained import resolve as resolve_model
         from common.rewards import REWARD_CALLS, check_data_sources, load_reward_fn
         from common.rollout import check_rollout, eos_token_ids
+        from common.sequence_parallel import check_heads
         from common.tracking import Tracker
 
         # Everything that can be wrong with the input fails here, before any worker starts.
@@ -212,7 +217,12 @@ class Run:
             if field.metadata.get("positive") and value is not None and not value > 0:
                 raise ValueError(f"{flag_name(field.name)} is {value}; it must be above 0")
         num_workers = 1 if args.in_process else args.num_workers
-        check_batch_sizes(args.train_batch_size, args.mini_batch_size, args.n, num_workers)
+        if num_workers % args.sequence_parallel:
+            raise ValueError(
+                f"--sequence-parallel {args.sequence_parallel} does not divide --num-workers {num_workers} into groups of "
+                "workers; change one of them"
+            )
+        check_batch_sizes(args.train_batch_size, args.mini_batch_size, args.n, num_workers // args.sequence_parallel)
         check_rollout(args.rollout_engine, args.temperature, args.top_p, args.top_k, args.lora_sync, args.offload)
         longest = args.max_prompt_length + args.max_response_length
         if args.log_prob_chunk_tokens < 0:
@@ -242,6 +252,8 @@ class Run:
         if not args.train_files:
             raise ValueError("--train-files is missing: name the prompt files to train on (verl-style parquet or jsonl)")
         args.model_path = resolve_model(args.model_path)
+        if args.sequence_parallel > 1:
+            check_heads(args.model_path, args.sequence_parallel)
         self.tokenizer = load_tokenizer(args.model_path)
         if args.reward_model is not None:
             args.reward_model = resolve_model(args.reward_model)
@@ -387,6 +399,7 @@ class Run:
             lora_rank=args.lora_rank,
             lora_alpha=args.lora_alpha,
             lora_target_modules=args.lora_target_modules,
+            sequence_parallel=args.sequence_parallel,
         )
         self.groups[name] = WorkerGroup(worker_cls, self.pool, name, **(defaults | settings))
         return self.groups[name]

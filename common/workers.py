@@ -35,6 +35,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.dataproto import DataProto
 from common.rollout import HFRollout, VLLMRollout, eos_token_ids, response_batch
+from common.sequence_parallel import SequenceParallel, full_attention, gather_tokens
+from common.sequence_parallel import register as register_sequence_parallel
 
 
 class WorkerDied(RuntimeError):
@@ -72,6 +74,8 @@ class WorkerGroup:
 
     def __init__(self, worker_cls, pool: ResourcePool | None, name: str, **setup_kwargs):
         self.name, self.in_process = name, pool is None
+        self.sequence_parallel = setup_kwargs.get("sequence_parallel", 1)
+        self.sequence_parallel_methods = worker_cls.sequence_parallel_methods
         if self.in_process:
             self.world_size = 1
             self.workers = [worker_cls(0, 1, torch.cuda.is_available())]
@@ -126,18 +130,23 @@ class WorkerGroup:
 
         Sequences (rows with an `attention_mask`) are dealt so that every rank gets as many rows and near-equal tokens
         (balanced_parts): the rank with the long answers would otherwise set the pace. The samples of one prompt go to
-        one rank where they fit, to share the prompt's tokens there (see shared_prompt_places). DataProto results come
-        back in `data`'s order, unpadded; others as a list per rank.
+        one rank where they fit, to share the prompt's tokens there (see shared_prompt_places). With sequence
+        parallelism, the ranks of a sequence-parallel group all get the same part, for the methods that split its
+        tokens among them (the worker's `sequence_parallel_methods`). DataProto results come back in `data`'s order,
+        unpadded; others as a list per part.
         """
-        padded, pad = data.pad_to_multiple(self.world_size)
+        copies = self.sequence_parallel if method in self.sequence_parallel_methods else 1
+        count = self.world_size // copies
+        padded, pad = data.pad_to_multiple(count)
         if "attention_mask" in padded:
             groups = None
             if "responses" in padded:
                 groups = same_prompts(padded["input_ids"], padded["attention_mask"], padded["responses"].shape[1])
-            parts = balanced_parts(padded["attention_mask"].sum(-1).tolist(), self.world_size, equal_size=True, groups=groups)
+            parts = balanced_parts(padded["attention_mask"].sum(-1).tolist(), count, equal_size=True, groups=groups)
         else:
-            parts = np.array_split(np.arange(len(padded)), self.world_size)
-        results = self._get([self._call(w, method, padded[rows], **kwargs) for w, rows in zip(self.workers, parts)], method)
+            parts = np.array_split(np.arange(len(padded)), count)
+        refs = [self._call(w, method, padded[parts[rank // copies]], **kwargs) for rank, w in enumerate(self.workers)]
+        results = self._get(refs, method)[::copies]  # a sequence-parallel group's ranks return the same
         if isinstance(results[0], DataProto):
             return DataProto.concat(results)[np.argsort(np.concatenate(parts))].unpad(pad)
         return results
@@ -213,6 +222,8 @@ class FSDPWorker:
     # decoder layer keeps one layer whole at a time. A collective of under a million parameters (4 MB in fp32) costs its
     # latency, not its size, so consecutive layers smaller than that share a unit until it holds that many.
     min_unit_params = 1_000_000
+    # What a sequence-parallel group's ranks run together, each on a share of the same micro-batches' tokens.
+    sequence_parallel_methods = ("compute_log_prob", "compute_ref_log_prob", "compute_values", "update")
 
     def __init__(self, rank: int, world_size: int, use_gpu: bool):
         # The pool decides, not torch.cuda.is_available(): recent Ray no longer hides the GPUs from CPU-only actors.
@@ -243,6 +254,7 @@ class FSDPWorker:
         lora_target_modules: str = "all-linear",
         compute_dtype: str = "float32",
         replicate_frozen: bool | None = None,
+        sequence_parallel: int = 1,
     ) -> None:
         """Join the process group, load the model (with a LoRA adapter if asked), shard it, build its optimiser.
 
@@ -255,9 +267,10 @@ class FSDPWorker:
         ranks; default the whole batch); every forward and backward takes at most `micro_batch_size` sequences, or with
         `micro_batch_tokens` as many sequences as fit in that many tokens (see micro_batches). The learning rate rises
         linearly over `lr_warmup_steps` updates, then (with `lr_decay_steps`) falls to 0 along a cosine over that many
-        more."""
+        more. With `sequence_parallel` N, each N ranks in a row split the same micro-batches' tokens among them (see
+        common/sequence_parallel.py), and `mini_batch_size` counts over the world size / N data-parallel groups."""
         self.compute_dtype = compute_dtype_for(compute_dtype, self.device)
-        self._init_distributed(master, seed)
+        self._init_distributed(master, seed, sequence_parallel)
         self.model_path, self.max_grad_norm, self.lora = model_path, max_grad_norm, lora_rank > 0
         self.epochs, self.mini_batch_size, self.micro_batch_size = epochs, mini_batch_size, micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
@@ -279,13 +292,15 @@ class FSDPWorker:
             packs = self.layout != "padded" or not self.packs
             layout = "" if packs else " (this model's attention lets packed sequences see each other)"
             frozen_layout = f", frozen weights: {'replicated' if replicate_frozen else 'sharded'}" if self.lora else ""
+            if self.sequence_group is not None:
+                frozen_layout += f", sequence parallel: {self.sequence_parallel}"
             print(
                 f"{type(self).__name__}: {self.world_size} x {self.device.type}, compute: {self.compute_dtype}, "
                 f"attention: {self.attention}, "
                 f"micro-batches: {self.layout}{layout}{frozen_layout}"
             )
 
-    def _init_distributed(self, master: tuple[str, int], seed: int) -> None:
+    def _init_distributed(self, master: tuple[str, int], seed: int, sequence_parallel: int = 1) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         if self.device.type == "cuda":
@@ -296,8 +311,16 @@ class FSDPWorker:
         addr, port = master
         if not dist.is_initialized():
             dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world_size)
-        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))  # FSDP shards over every rank
         self.attention = attention_implementation(self.device) if self.compute_dtype == torch.bfloat16 else "sdpa"
+        self.sequence_parallel, self.sequence_group = sequence_parallel, None
+        if sequence_parallel > 1:
+            if self.world_size % sequence_parallel:
+                raise ValueError(f"{self.world_size} ranks do not split into sequence-parallel groups of {sequence_parallel}")
+            # The ranks as a grid: a row is a sequence-parallel group, a column a data-parallel one.
+            shape = (self.world_size // sequence_parallel, sequence_parallel)
+            grid = init_device_mesh(self.device.type, shape, mesh_dim_names=("data", "sequence"))
+            self.sequence_group, self.attention = grid["sequence"].get_group(), register_sequence_parallel()
         torch.manual_seed(seed + self.rank)
         np.random.seed(seed + self.rank)
 
@@ -346,9 +369,10 @@ class FSDPWorker:
         )
 
     def _all_reduce_sum(self, values: list[float]) -> list[float]:
+        """The sum over data-parallel groups of each of `values` (the ranks of a sequence-parallel group hold the same)."""
         tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor)
-        return tensor.tolist()
+        return (tensor / self.sequence_parallel).tolist()
 
     @torch.no_grad()
     def _packs_exactly(self, packing: Layout) -> bool:
@@ -367,7 +391,10 @@ class FSDPWorker:
                 "responses": ids[:, 6:],
             }
         ).to(self.device)
-        padded, packed = (response_outputs(self.model, micro, p, self.language_model).float() for p in ("padded", packing))
+        padded, packed = (
+            response_outputs(self.model, micro, p, self.language_model, sequence_group=self.sequence_group).float()
+            for p in ("padded", packing)
+        )
         if self.language_model:
             padded, packed = torch.log_softmax(padded, -1), torch.log_softmax(packed, -1)
         return (padded - packed).abs().max().item() <= (1e-4 if self.compute_dtype == torch.float32 else 5e-2)
@@ -402,7 +429,7 @@ class FSDPWorker:
         shares, all-reduces them over ranks and steps.
         """
         self.model.train()
-        per_rank = self.mini_batch_size // self.world_size if self.mini_batch_size else len(data)
+        per_rank = self.mini_batch_size * self.sequence_parallel // self.world_size if self.mini_batch_size else len(data)
         minis = data.split(per_rank)
         # Every mini-batch's counts over all ranks in one collective: on the CPU each one costs as much as a forward.
         counts = self._all_reduce_sum([c for mini in minis for c in (mini["response_mask"].sum().item(), len(mini))])
@@ -413,7 +440,8 @@ class FSDPWorker:
                 for rows in self.micro_batches(mini):
                     micro = mini[rows].to(self.device)
                     loss, metrics = loss_fn(micro, forward(micro), minibatch_tokens=tokens, minibatch_seqs=seqs)
-                    # FSDP averages gradients over ranks; the loss shares add up instead.
+                    # FSDP averages gradients over ranks; the loss shares add up instead. (The ranks of a
+                    # sequence-parallel group compute the same loss, each backward through its own tokens only.)
                     (loss * self.world_size).backward()
                     shares["loss"] += loss.item()
                     for key, value in metrics.items():
@@ -583,7 +611,9 @@ def pack_rows(lengths: list[int], width: int) -> tuple[list[int], list[int]]:
 Layout = Literal["padded", "one row", "rows", "shared prompts"]
 
 
-def response_outputs(model, micro: DataProto, layout: Layout, language_model: bool, head_outputs=None) -> torch.Tensor:
+def response_outputs(
+    model, micro: DataProto, layout: Layout, language_model: bool, head_outputs=None, sequence_group=None
+) -> torch.Tensor:
     """The model's output (a language model's logits, a critic's values) at the position before each real response
     token: one row per token where `attention_mask`'s response part is 1, the micro-batch's rows one after another.
 
@@ -594,7 +624,8 @@ def response_outputs(model, micro: DataProto, layout: Layout, language_model: bo
     width. "shared prompts" also takes a dense mask, and runs a prompt's tokens once for all its samples in the
     micro-batch (see shared_prompt_places); where no two of them share one, it packs as "rows" (which leaves a row
     that holds one sequence to the causal kernel, with no mask at all). A language model projects to the vocabulary
-    only the positions read (see output_layer_at), or gives `head_outputs`' instead of logits.
+    only the positions read (see output_layer_at), or gives `head_outputs`' instead of logits. With a
+    `sequence_group`, its ranks split the rows' tokens among them (see sequence_parallel_outputs).
     """
     attention_mask = micro["attention_mask"].bool()
     response_length = micro["responses"].shape[1]
@@ -602,26 +633,63 @@ def response_outputs(model, micro: DataProto, layout: Layout, language_model: bo
     if layout == "padded":
         inputs = {key: micro[key] for key in ("input_ids", "attention_mask", "position_ids")}
         place = torch.arange(attention_mask.numel(), device=attention_mask.device).view(attention_mask.shape)
+        causal = False
     else:
         prompts = same_prompts(micro["input_ids"], attention_mask, response_length) if layout == "shared prompts" else []
         if len(set(prompts)) < len(prompts):
             place, width, rows, attention = shared_prompt_places(prompts, attention_mask, response_length)
+            causal = False
         else:
             lengths = attention_mask.sum(-1)
             width = int(lengths.sum()) if layout == "one row" else attention_mask.shape[1]
             row_of, offset_of = pack_rows(lengths.tolist(), width)
             start = torch.tensor(row_of, device=lengths.device) * width + torch.tensor(offset_of, device=lengths.device)
             place, rows, attention = start[:, None] + attention_mask.cumsum(-1) - 1, max(row_of) + 1, {}
+            causal = max(offset_of) == 0  # each row holds one sequence from its first place, then padding
         tokens = place[attention_mask]  # each token's place in the packed rows, read flat
         inputs = attention | {
             key: micro[key].new_zeros(rows * width).index_put_((tokens,), micro[key][attention_mask]).view(-1, width)
             for key in ("input_ids", "position_ids")  # padding at a row's end sits at position 0: a sequence of its own
         }
     read = place[:, -response_length - 1 : -1][response_mask]
+    if sequence_group is not None:
+        mask = None if causal else full_attention(inputs)
+        return sequence_parallel_outputs(model, inputs, read, mask, language_model, head_outputs, sequence_group)
     if language_model:
         with output_layer_at(model, read, head_outputs):
             return model(**inputs, use_cache=False).logits[0]
     return model(**inputs, use_cache=False).logits.flatten(0, 1)[read]
+
+
+def sequence_parallel_outputs(model, inputs: dict, read: torch.Tensor, mask, language_model: bool, head_outputs, group):
+    """response_outputs' outputs, the rows' tokens split among the ranks of `group` (Ulysses; see
+    common/sequence_parallel.py): rank r runs the r-th of as many equal shares of each row's columns (the rows padded
+    to a multiple of the ranks), reads the outputs at its own read positions, and every rank gets them all back in
+    `read`'s order. `mask`: whom each token of the whole rows sees (None: causal). With `head_outputs`, it is called
+    with `tokens=`, the indices of the response tokens (in `read`'s order) whose hidden states it gets."""
+    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows, width = inputs["input_ids"].shape
+    share = -(-width // ranks)
+    pad = share * ranks - width
+    if mask is not None and pad:  # a padding token sees itself only
+        eye = torch.eye(share * ranks, dtype=torch.bool, device=mask.device)
+        mask = torch.nn.functional.pad(mask, (0, pad, 0, pad)) | eye
+    columns = slice(rank * share, (rank + 1) * share)
+    local = {key: torch.nn.functional.pad(inputs[key], (0, pad))[:, columns] for key in ("input_ids", "position_ids")}
+    row, column = read // width, read % width
+    owner = column // share
+    counts = torch.bincount(owner, minlength=ranks).tolist()
+    mine = (owner == rank).nonzero()[:, 0]
+    local_read = row[mine] * share + column[mine] - rank * share
+    forward = dict(use_cache=False, sequence_parallel=SequenceParallel(group, mask))
+    if language_model:
+        local_head = None if head_outputs is None else functools.partial(head_outputs, tokens=mine)
+        with output_layer_at(model, local_read, local_head):
+            outputs = model(**local, **forward).logits[0]
+    else:
+        outputs = model(**local, **forward).logits.flatten(0, 1)[local_read]
+    order = torch.argsort(owner, stable=True)  # the gathered outputs come rank after rank, each in `read`'s order
+    return gather_tokens(outputs, counts, group)[torch.argsort(order)]
 
 
 # Segments of shared prompts may grow this wide (see shared_prompt_places): a token's attention scores, one per
@@ -718,21 +786,28 @@ def output_layer_at(model, read: torch.Tensor, head_outputs=None):
 
 
 def chunked_log_probs(
-    hidden: torch.Tensor, output_layer, responses: torch.Tensor, temperature: float, with_entropy: bool, chunk_tokens: int
+    hidden: torch.Tensor,
+    output_layer,
+    responses: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    chunk_tokens: int,
+    tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-probs of `responses` (and entropies), [tokens, 2 or 1], from the hidden states before them: the logits over
     the vocabulary for `chunk_tokens` tokens at a time (all at once with 0). With gradients and more than one chunk,
     backward computes each chunk's logits again (activation checkpointing) instead of keeping them: at most one
     chunk's logits exist at any time, not [tokens, vocabulary] in fp32, a response of 16k tokens' 3 GB per copy for a
-    49k vocabulary."""
+    49k vocabulary. `tokens`: which of `responses` the hidden states are before (default: all)."""
     from torch.utils.checkpoint import checkpoint
 
     def log_probs_of(hidden: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
         log_probs, entropy = _response_log_probs(output_layer(hidden), responses, temperature, with_entropy)
         return torch.stack([log_probs, entropy], -1) if with_entropy else log_probs[:, None]
 
+    responses = responses if tokens is None else responses[tokens]
     size = chunk_tokens or max(len(hidden), 1)
-    chunks = [slice(start, start + size) for start in range(0, len(hidden), size)]
+    chunks = [slice(start, start + size) for start in range(0, max(len(hidden), 1), size)]  # one, empty, for no tokens
     if torch.is_grad_enabled() and len(chunks) > 1:
         return torch.cat([checkpoint(log_probs_of, hidden[c], responses[c], use_reentrant=False) for c in chunks])
     return torch.cat([log_probs_of(hidden[c], responses[c]) for c in chunks])
@@ -860,7 +935,7 @@ class PolicyWorker(FSDPWorker):
         response_mask = micro["attention_mask"][:, -micro["responses"].shape[1] :].bool()
         responses = micro["responses"][response_mask]
         if self.log_prob_chunk_tokens is None:
-            logits = response_outputs(model, micro, self.layout, language_model=True)
+            logits = response_outputs(model, micro, self.layout, True, sequence_group=self.sequence_group)
             log_probs, entropy = _response_log_probs(logits, responses, self.temperature, with_entropy)
         else:
             chunked = functools.partial(
@@ -870,7 +945,7 @@ class PolicyWorker(FSDPWorker):
                 with_entropy=with_entropy,
                 chunk_tokens=self.log_prob_chunk_tokens,
             )
-            outputs = response_outputs(model, micro, self.layout, language_model=True, head_outputs=chunked)
+            outputs = response_outputs(model, micro, self.layout, True, chunked, self.sequence_group)
             log_probs, entropy = outputs[:, 0], outputs[:, -1]
         return rows_of(log_probs, response_mask), rows_of(entropy, response_mask) if with_entropy else None
 
@@ -945,7 +1020,8 @@ class CriticWorker(FSDPWorker):
     def _forward(self, micro: DataProto) -> torch.Tensor:
         """The value of the state before each response token, 0 on padding."""
         response_mask = micro["attention_mask"][:, -micro["responses"].shape[1] :].bool()
-        return rows_of(response_outputs(self.model, micro, self.layout, language_model=False)[:, 0].float(), response_mask)
+        values = response_outputs(self.model, micro, self.layout, False, sequence_group=self.sequence_group)[:, 0]
+        return rows_of(values.float(), response_mask)
 
     @measured
     @torch.no_grad()
