@@ -99,8 +99,10 @@ def write_adapter(path: str, tensors: dict[str, torch.Tensor], peft_config) -> N
     peft_config.save_pretrained(path)
 
 
-def kv_cache_bytes(model_path: str, max_model_len: int, dtype: torch.dtype) -> int:
-    """Memory for the keys and values of MAX_NUM_SEQS sequences of `max_model_len` tokens (block-aligned)."""
+def kv_cache_bytes(model_path: str, max_model_len: int, dtype: torch.dtype, engines: int) -> int:
+    """Memory for the keys and values of MAX_NUM_SEQS sequences of `max_model_len` tokens (block-aligned), or of as
+    many as fit in a quarter of the machine's memory shared by its `engines` (one at least): with long responses
+    vLLM then runs fewer sequences at a time instead of refusing to start."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path)
@@ -109,7 +111,9 @@ def kv_cache_bytes(model_path: str, max_model_len: int, dtype: torch.dtype) -> i
     per_token = (
         2 * config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or heads) * head_dim * dtype.itemsize
     )
-    return per_token * math.ceil(max_model_len / 128) * 128 * MAX_NUM_SEQS
+    sequence = per_token * math.ceil(max_model_len / 128) * 128
+    share = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // (4 * engines)
+    return sequence * max(1, min(MAX_NUM_SEQS, share // sequence))
 
 
 def reload_weights(worker, weights) -> list[str]:
@@ -262,7 +266,9 @@ class VLLMRollout:
         else:
             # The CPU backend would read gpu_memory_utilization as each engine's share of the whole machine. Eager,
             # since torch.compile on the CPU needs a C++ compiler, which a laptop may not have.
-            memory = dict(kv_cache_memory_bytes=kv_cache_bytes(model_path, max_model_len, dtype), enforce_eager=True)
+            memory = dict(
+                kv_cache_memory_bytes=kv_cache_bytes(model_path, max_model_len, dtype, world_size), enforce_eager=True
+            )
         self.llm = LLM(
             model=model_path,
             tensor_parallel_size=1,
