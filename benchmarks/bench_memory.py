@@ -13,10 +13,10 @@ The settings:
 - `--gradient-checkpointing` off or on: every decoder layer's activations kept for backward, or computed again.
 
     python benchmarks/bench_memory.py --lengths 1024 4096
+    python benchmarks/bench_memory.py --lengths 16384 --settings none/off 1024/on
 """
 
 import argparse
-import itertools
 import sys
 import time
 from functools import partial
@@ -96,6 +96,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096], help="response lengths, in tokens")
     parser.add_argument("--num-workers", type=int, default=1, help="policy workers, one sequence each")
+    parser.add_argument(
+        "--settings",
+        nargs="+",
+        default=["none/off", "none/on", "1024/off", "1024/on"],
+        help="log-prob chunks (none or 1024) / gradient checkpointing (off or on)",
+    )
     args = parser.parse_args()
 
     model_path = resolve("smollm2")
@@ -107,10 +113,11 @@ def main():
     print("|---|---|---|---|---|")
     for length in args.lengths:
         batch = sequences(model_path, args.num_workers, length)
-        for chunk_tokens, checkpointing in itertools.product((0, 1024), (False, True)):
-            result = measure(pool, model_path, batch, chunk_tokens, checkpointing)
+        for setting in args.settings:
+            chunks, checkpointing = setting.split("/")
+            result = measure(pool, model_path, batch, 0 if chunks == "none" else int(chunks), checkpointing == "on")
             passes = " | ".join(result.get(method, "not run") for method in ("compute_log_prob", "update"))
-            print(f"| {length:,} | {chunk_tokens or 'none'} | {'on' if checkpointing else 'off'} | {passes} |", flush=True)
+            print(f"| {length:,} | {chunks} | {checkpointing} | {passes} |", flush=True)
     pool.shutdown()
 
 
