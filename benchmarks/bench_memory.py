@@ -55,7 +55,11 @@ def sequences(model_path: str, count: int, response_length: int) -> DataProto:
     return batch
 
 
-def measure(pool, model_path: str, batch: DataProto, chunk_tokens: int, checkpointing: bool) -> dict[str, str]:
+def measure(
+    pool, model_path: str, batch: DataProto, chunk_tokens: int, checkpointing: bool, sequence_parallel: int = 1
+) -> dict[str, tuple[float, float] | str]:
+    """A fresh group's log-prob pass, then one update: for each, the largest peak over its workers (GB) and the
+    seconds, or that Ray's memory monitor stopped it."""
     policy = WorkerGroup(
         PolicyWorker,
         pool,
@@ -69,6 +73,7 @@ def measure(pool, model_path: str, batch: DataProto, chunk_tokens: int, checkpoi
         log_prob_chunk_tokens=chunk_tokens,
         gradient_checkpointing=checkpointing,
         compute_dtype="auto",
+        sequence_parallel=sequence_parallel,
     )
     try:
         result = {}
@@ -83,10 +88,10 @@ def measure(pool, model_path: str, batch: DataProto, chunk_tokens: int, checkpoi
             start = time.perf_counter()
             try:
                 call()
-            except (WorkerDied, ray.exceptions.OutOfMemoryError):  # Ray's memory monitor stopped it
+            except (WorkerDied, ray.exceptions.OutOfMemoryError):
                 return result | {method: "out of memory"}
-            peak_gb = max(rank[method] for rank in policy.broadcast("phase_peak_memory"))
-            result[method] = f"{peak_gb:.2f} GB, {time.perf_counter() - start:.1f} s"
+            seconds = time.perf_counter() - start
+            result[method] = (max(rank[method] for rank in policy.broadcast("phase_peak_memory")), seconds)
         return result
     finally:
         policy.shutdown()
@@ -116,7 +121,8 @@ def main():
         for setting in args.settings:
             chunks, checkpointing = setting.split("/")
             result = measure(pool, model_path, batch, 0 if chunks == "none" else int(chunks), checkpointing == "on")
-            passes = " | ".join(result.get(method, "not run") for method in ("compute_log_prob", "update"))
+            cells = [result.get(method, "not run") for method in ("compute_log_prob", "update")]
+            passes = " | ".join(cell if isinstance(cell, str) else f"{cell[0]:.2f} GB, {cell[1]:.1f} s" for cell in cells)
             print(f"| {length:,} | {chunks} | {checkpointing} | {passes} |", flush=True)
     pool.shutdown()
 

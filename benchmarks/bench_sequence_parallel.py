@@ -11,57 +11,14 @@ spends per 1,000 tokens (S x seconds / tokens, what the tokens cost in worker ti
 """
 
 import argparse
-import time
-from functools import partial
 
 import ray
 import torch
-from bench_memory import LOG_PROB_INPUTS, grpo_hybrid, sequences
+from bench_memory import measure, sequences  # bench_memory puts the repository on the path
 
 from common.pretrained import resolve
 from common.run import init_ray
-from common.workers import PolicyWorker, ResourcePool, WorkerDied, WorkerGroup, compute_dtype_for
-
-
-def measure(pool, model_path: str, length: int, size: int) -> dict[str, str]:
-    batch = sequences(model_path, 1, length)
-    tokens = int(batch["attention_mask"].sum())
-    policy = WorkerGroup(
-        PolicyWorker,
-        pool,
-        "policy",
-        model_path=model_path,
-        use_reference=False,
-        lr=1e-6,
-        lora_rank=16,
-        lora_alpha=32,
-        micro_batch_size=1,
-        log_prob_chunk_tokens=1024,
-        gradient_checkpointing=True,
-        compute_dtype="auto",
-        sequence_parallel=size,
-    )
-    try:
-        result = {}
-        loss_fn = partial(grpo_hybrid.actor_loss, args=grpo_hybrid.Args(kl_loss_coef=0.0))
-        calls = {
-            "compute_log_prob": lambda: policy.scatter("compute_log_prob", batch.select(*LOG_PROB_INPUTS)),
-            "update": lambda: policy.scatter(
-                "update", batch.select(*LOG_PROB_INPUTS, "response_mask", "rollout_log_probs", "advantages"), loss_fn=loss_fn
-            ),
-        }
-        for method, call in calls.items():
-            start = time.perf_counter()
-            try:
-                call()
-            except (WorkerDied, ray.exceptions.OutOfMemoryError):  # Ray's memory monitor stopped it
-                return result | {method: "out of memory"}
-            seconds = time.perf_counter() - start
-            peak_gb = max(rank[method] for rank in policy.broadcast("phase_peak_memory"))
-            result[method] = f"{peak_gb:.2f} GB, {tokens / seconds:.0f} tokens/s, {size * seconds / tokens * 1000:.1f} s/1k"
-        return result
-    finally:
-        policy.shutdown()
+from common.workers import ResourcePool, compute_dtype_for
 
 
 def main():
@@ -80,11 +37,19 @@ def main():
     for length in args.lengths:
         for size in args.sizes:
             pool = ResourcePool(size, use_gpu)
+            batch = sequences(model_path, 1, length)
+            tokens = int(batch["attention_mask"].sum())
             try:
-                result = measure(pool, model_path, length, size)
+                result = measure(pool, model_path, batch, 1024, True, sequence_parallel=size)
             finally:
                 pool.shutdown()
-            passes = " | ".join(result.get(method, "not run") for method in ("compute_log_prob", "update"))
+            cells = [result.get(method, "not run") for method in ("compute_log_prob", "update")]
+            passes = " | ".join(
+                cell
+                if isinstance(cell, str)
+                else f"{cell[0]:.2f} GB, {tokens / cell[1]:.0f} tokens/s, {size * cell[1] / tokens * 1000:.1f} s/1k"
+                for cell in cells
+            )
             print(f"| {length:,} | {size} | {passes} |", flush=True)
 
 
