@@ -4,9 +4,10 @@ each run 1/N of a micro-batch's tokens through the model, and swap them around a
 Everything in a decoder but attention works token by token (embeddings, norms, MLPs, the rotary embedding from each
 token's position id, the output layer), so a rank needs only its own tokens there. Before attention an all-to-all
 turns each rank's [its tokens, every head] queries, keys and values into [every token, its heads]; the rank attends
-over the whole sequence for those heads; a second all-to-all turns the output back. Activations then take 1/N of the
-memory of the whole sequence, and the all-to-all moves 1/N of them. Heads that do not divide by N are dealt as evenly
-as they go (9 heads over 2 ranks: 5 and 4), each rank's key and value heads repeated to match its query heads.
+over the whole sequence for those heads; a second all-to-all turns the output back. A rank's activations are then
+those of 1/N of the tokens, and what moves between ranks is activations, never weights. Heads that do not divide by
+N are dealt as evenly as they go (9 heads over 2 ranks: 5 and 4), each rank's key and value heads repeated to match
+its query heads.
 
 The model runs with this module's attention (`register`), which is transformers' SDPA unless a forward passes
 `sequence_parallel=SequenceParallel(...)`: generation and every other call see the model they always did.
