@@ -99,6 +99,10 @@ def write_adapter(path: str, tensors: dict[str, torch.Tensor], peft_config) -> N
     peft_config.save_pretrained(path)
 
 
+def machine_memory_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def kv_cache_bytes(model_path: str, max_model_len: int, dtype: torch.dtype, engines: int) -> int:
     """Memory for the keys and values of MAX_NUM_SEQS sequences of `max_model_len` tokens (block-aligned), or of as
     many as fit in a quarter of the machine's memory shared by its `engines` (one at least): with long responses
@@ -112,7 +116,7 @@ def kv_cache_bytes(model_path: str, max_model_len: int, dtype: torch.dtype, engi
         2 * config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or heads) * head_dim * dtype.itemsize
     )
     sequence = per_token * math.ceil(max_model_len / 128) * 128
-    share = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // (4 * engines)
+    share = machine_memory_bytes() // (4 * engines)
     return sequence * max(1, min(MAX_NUM_SEQS, share // sequence))
 
 

@@ -34,7 +34,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.dataproto import DataProto
-from common.rollout import HFRollout, VLLMRollout, eos_token_ids, response_batch
+from common.rollout import HFRollout, VLLMRollout, eos_token_ids, machine_memory_bytes, response_batch
 from common.sequence_parallel import SequenceParallel, full_attention, gather_tokens
 from common.sequence_parallel import register as register_sequence_parallel
 
@@ -292,12 +292,11 @@ class FSDPWorker:
             packs = self.layout != "padded" or not self.packs
             layout = "" if packs else " (this model's attention lets packed sequences see each other)"
             frozen_layout = f", frozen weights: {'replicated' if replicate_frozen else 'sharded'}" if self.lora else ""
-            if self.sequence_group is not None:
-                frozen_layout += f", sequence parallel: {self.sequence_parallel}"
+            split = f", sequence parallel: {self.sequence_parallel}" if self.sequence_group is not None else ""
             print(
                 f"{type(self).__name__}: {self.world_size} x {self.device.type}, compute: {self.compute_dtype}, "
                 f"attention: {self.attention}, "
-                f"micro-batches: {self.layout}{layout}{frozen_layout}"
+                f"micro-batches: {self.layout}{layout}{frozen_layout}{split}"
             )
 
     def _init_distributed(self, master: tuple[str, int], seed: int, sequence_parallel: int = 1) -> None:
@@ -563,7 +562,7 @@ def frozen_weights_fit(frozen: set[torch.nn.Parameter], dtype: torch.dtype, devi
     size = sum(p.numel() for p in frozen) * dtype.itemsize
     if device.type == "cuda":
         return size <= torch.cuda.get_device_properties(device).total_memory / 4
-    return size * workers <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 4
+    return size * workers <= machine_memory_bytes() / 4
 
 
 def attention_implementation(device: torch.device) -> str:

@@ -19,7 +19,7 @@ from ray import cloudpickle
 import grpo_hybrid
 from common.envs import ENV_CALLS
 from common.isolation import InProcessCalls
-from common.rollout import MAX_NUM_SEQS, kv_cache_bytes, rollout_logprob_gap
+from common.rollout import MAX_NUM_SEQS, kv_cache_bytes, machine_memory_bytes, rollout_logprob_gap
 from common.weight_sync import engine_weights
 from common.workers import WorkerGroup
 from test_envs import play, turns_of
@@ -227,7 +227,7 @@ def test_a_broken_torchvision_is_named_before_any_model_loads(tmp_path):
 def test_a_cpu_engine_caches_what_fits_for_long_responses(smollm2):
     """256 sequences of a short budget; of a 4k-token one, as many as fit in a quarter of the machine's memory over
     its engines, and one at least, however long."""
-    machine = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    machine = machine_memory_bytes()
     per_token = 2 * 30 * 3 * 64 * 4  # SmolLM2: 30 layers, 3 key/value heads of 64 dimensions, fp32
     assert kv_cache_bytes(smollm2, 80, torch.float32, 2) == per_token * 128 * MAX_NUM_SEQS
     sequence = per_token * 4224
