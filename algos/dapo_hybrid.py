@@ -24,7 +24,8 @@ class Args(RunArgs):
     clip_ratio_c: float = 10.0
     """dual-clip bound for negative advantages"""
     tis: bool = False
-    """truncated importance sampling: weight each token's loss by pi_old / pi_rollout, for the rollout engine's numerics"""
+    """truncated importance sampling: weight each token's loss by pi_old / pi_rollout, for the rollout engine's numerics;
+    always on with --max-staleness above 0, where it also corrects for the engine's older weights (see README)"""
     tis_cap: float = 2.0
     """upper bound of the TIS weight"""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
@@ -183,7 +184,10 @@ def actor_loss(batch, outputs, minibatch_tokens, minibatch_seqs, args: Args):
     # Without an old-log-prob pass (one epoch, one mini-batch) the policy that sampled is this one, unchanged so far:
     # its log-probs held constant are the old ones (the ratio is 1, and its gradient that of the ratio).
     old_log_prob = batch["old_log_probs"] if "old_log_probs" in batch else log_prob.detach()
-    tis_weights = compute_tis_weights(old_log_prob, batch["rollout_log_probs"], args.tis_cap) if args.tis else None
+    # Samples from older weights (--max-staleness) are off-policy: the decoupled objective (Hilton et al. 2022) clips
+    # around the policy before this update and weights each token by it over the sampler's, truncated: TIS's weight.
+    tis = args.tis or args.max_staleness > 0
+    tis_weights = compute_tis_weights(old_log_prob, batch["rollout_log_probs"], args.tis_cap) if tis else None
     clip = (args.clip_ratio_low, args.clip_ratio_high, args.clip_ratio_c)
     pg_loss, metrics = compute_policy_loss(
         old_log_prob, log_prob, batch["advantages"], mask, *clip, args.loss_agg_mode, *counts, tis_weights
@@ -229,8 +233,9 @@ if __name__ == "__main__":
     run = Run("dapo", args, prompts_per_batch=prompts_per_round if args.filter_groups else None)
     policy = run.policy(use_reference=args.kl_loss_coef > 0)
     log_prob_inputs = ("input_ids", "attention_mask", "position_ids", "responses")
-    # One epoch over one mini-batch trains the policy that sampled: the update's own log-probs are the old ones.
-    old_log_prob_pass = args.ppo_epochs > 1 or args.mini_batch_size < args.train_batch_size
+    # One epoch over one mini-batch trains the policy that sampled: the update's own log-probs are the old ones. Not so
+    # with --max-staleness, whose samples may come from older weights: the pass also checks the engines (see README).
+    old_log_prob_pass = args.ppo_epochs > 1 or args.mini_batch_size < args.train_batch_size or args.max_staleness > 0
     update_inputs = [*log_prob_inputs, "response_mask", "advantages", "rollout_log_probs"]
     if old_log_prob_pass:
         update_inputs.append("old_log_probs")
@@ -241,6 +246,7 @@ if __name__ == "__main__":
         metrics = {}
 
         # 1-2. Rollout and reward in rounds; dynamic sampling keeps prompts whose samples disagree (others have no advantage).
+        # With --max-staleness the rollout workers generated each round while the policy trained on the batches before.
         kept, generated_prompts = [], 0
         while sum(map(len, kept)) < args.train_batch_size * args.n:
             if args.max_gen_batches and len(kept) == args.max_gen_batches:
@@ -250,8 +256,7 @@ if __name__ == "__main__":
                     "--max-gen-batches (0: no bound) or --gen-batch-size"
                 )
             with timer("generate", metrics):
-                round_batch = run.next_prompts().repeat(args.n, interleave=True)
-                round_batch |= run.generate(round_batch)
+                round_batch = run.next_rollouts(args.n, metrics)
             with timer("reward", metrics):
                 round_batch["score"] = run.score(round_batch, metrics)
                 lengths = round_batch["response_mask"].sum(-1)

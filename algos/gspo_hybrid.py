@@ -23,7 +23,8 @@ class Args(RunArgs):
     clip_ratio_high: float = 4e-4
     """clip range of the sequence's ratio above 1 (the paper's)"""
     tis: bool = False
-    """truncated importance sampling: weight each token's loss by pi_old / pi_rollout, for the rollout engine's numerics"""
+    """truncated importance sampling: weight each token's loss by pi_old / pi_rollout, for the rollout engine's numerics;
+    always on with --max-staleness above 0, where it also corrects for the engine's older weights (see README)"""
     tis_cap: float = 2.0
     """upper bound of the TIS weight"""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
@@ -137,7 +138,10 @@ def actor_loss(batch, outputs, minibatch_tokens, minibatch_seqs, args: Args):
     # Without an old-log-prob pass (one epoch, one mini-batch) the policy that sampled is this one, unchanged so far:
     # its log-probs held constant are the old ones (the ratio is 1, and its gradient that of the ratio).
     old_log_prob = batch["old_log_probs"] if "old_log_probs" in batch else log_prob.detach()
-    tis_weights = compute_tis_weights(old_log_prob, batch["rollout_log_probs"], args.tis_cap) if args.tis else None
+    # Samples from older weights (--max-staleness) are off-policy: the decoupled objective (Hilton et al. 2022) clips
+    # around the policy before this update and weights each token by it over the sampler's, truncated: TIS's weight.
+    tis = args.tis or args.max_staleness > 0
+    tis_weights = compute_tis_weights(old_log_prob, batch["rollout_log_probs"], args.tis_cap) if tis else None
     clip = (args.clip_ratio_low, args.clip_ratio_high)
     pg_loss, metrics = compute_policy_loss(
         old_log_prob, log_prob, batch["advantages"], mask, *clip, args.loss_agg_mode, *counts, tis_weights
@@ -175,8 +179,9 @@ if __name__ == "__main__":
     run = Run("gspo", args)
     policy = run.policy(use_reference=args.kl_loss_coef > 0)
     log_prob_inputs = ("input_ids", "attention_mask", "position_ids", "responses")
-    # One epoch over one mini-batch trains the policy that sampled: the update's own log-probs are the old ones.
-    old_log_prob_pass = args.ppo_epochs > 1 or args.mini_batch_size < args.train_batch_size
+    # One epoch over one mini-batch trains the policy that sampled: the update's own log-probs are the old ones. Not so
+    # with --max-staleness, whose samples may come from older weights: the pass also checks the engines (see README).
+    old_log_prob_pass = args.ppo_epochs > 1 or args.mini_batch_size < args.train_batch_size or args.max_staleness > 0
     update_inputs = [*log_prob_inputs, "response_mask", "advantages", "rollout_log_probs"]
     if old_log_prob_pass:
         update_inputs.append("old_log_probs")
@@ -187,9 +192,9 @@ if __name__ == "__main__":
         metrics = {}
 
         # 1. Rollout: n samples of every prompt; a prompt's samples share its uid (the group).
+        # With --max-staleness the rollout workers generated it while the policy trained on the batches before.
         with timer("generate", metrics):
-            batch = run.next_prompts().repeat(args.n, interleave=True)
-            batch |= run.generate(batch)
+            batch = run.next_rollouts(args.n, metrics)
 
         # 2. Outcome reward: one score per response.
         with timer("reward", metrics):

@@ -29,7 +29,8 @@ class Args(RunArgs):
     clip_ratio_c: float = 3.0
     """dual-clip bound for negative advantages"""
     tis: bool = False
-    """truncated importance sampling: weight each token's loss by pi_old / pi_rollout, for the rollout engine's numerics"""
+    """truncated importance sampling: weight each token's loss by pi_old / pi_rollout, for the rollout engine's numerics;
+    always on with --max-staleness above 0, where it also corrects for the engine's older weights (see README)"""
     tis_cap: float = 2.0
     """upper bound of the TIS weight"""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
@@ -174,7 +175,10 @@ def actor_loss(batch, outputs, minibatch_tokens, minibatch_seqs, args: Args):
     log_prob, entropy = outputs
     mask, counts = batch["response_mask"], (minibatch_tokens, minibatch_seqs)
     aggregate = partial(agg_loss, mask=mask, mode=args.loss_agg_mode, num_tokens=minibatch_tokens, num_seqs=minibatch_seqs)
-    tis_weights = compute_tis_weights(batch["old_log_probs"], batch["rollout_log_probs"], args.tis_cap) if args.tis else None
+    # Samples from older weights (--max-staleness) are off-policy: the decoupled objective (Hilton et al. 2022) clips
+    # around the policy before this update and weights each token by it over the sampler's, truncated: TIS's weight.
+    tis = args.tis or args.max_staleness > 0
+    tis_weights = compute_tis_weights(batch["old_log_probs"], batch["rollout_log_probs"], args.tis_cap) if tis else None
     clip = (args.clip_ratio_low, args.clip_ratio_high, args.clip_ratio_c)
     pg_loss, metrics = compute_policy_loss(
         batch["old_log_probs"], log_prob, batch["advantages"], mask, *clip, args.loss_agg_mode, *counts, tis_weights
@@ -204,16 +208,16 @@ if __name__ == "__main__":
     policy = run.policy(use_reference=args.kl_coef > 0)
     log_prob_inputs = ("input_ids", "attention_mask", "position_ids", "responses")
     update_inputs = [*log_prob_inputs, "response_mask", "old_log_probs", "advantages"]
-    if args.tis:
+    if args.tis or args.max_staleness > 0:
         update_inputs.append("rollout_log_probs")
 
     for step in run.steps():
         metrics = {}
 
         # 1. Rollout: n samples of every prompt; a prompt's samples share its uid (the group of --baseline).
+        # With --max-staleness the rollout workers generated it while the policy trained on the batches before.
         with timer("generate", metrics):
-            batch = run.next_prompts().repeat(args.n, interleave=True)
-            batch |= run.generate(batch)
+            batch = run.next_rollouts(args.n, metrics)
 
         # 2. Outcome reward: one score per response.
         with timer("reward", metrics):

@@ -2,7 +2,10 @@
 
 Both live inside the policy worker's process and generate from the policy
 as it is at that moment, returning the responses and each sampled token's
-log-prob under the engine's own numerics (what TIS corrects for).
+log-prob under the engine's own numerics (what TIS corrects for). With
+--rollout-workers they live in processes of their own instead
+(common.workers.RolloutWorker) and generate from the weights last sent to
+them: `HFRollout` on a whole model, `VLLMRollout` without a policy.
 
 `HFRollout` runs transformers' generate on the training policy itself.
 
@@ -99,6 +102,12 @@ def write_adapter(path: str, tensors: dict[str, torch.Tensor], peft_config) -> N
     peft_config.save_pretrained(path)
 
 
+def serves_adapter(lora: bool, lora_sync: str, on_gpu: bool) -> bool:
+    """Whether a vLLM engine serves the policy's LoRA adapter (sent alone after each update) rather than receiving
+    every weight with the adapter merged in: `lora_sync` says, "auto" merging on CPUs (see VLLMRollout)."""
+    return lora and (lora_sync == "adapter" or (lora_sync == "auto" and on_gpu))
+
+
 def machine_memory_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
@@ -187,6 +196,9 @@ def unsharded(model):
     from torch.distributed.fsdp import FSDPModule
 
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules:  # a rollout worker's own model: whole already
+        yield
+        return
     model.set_reshard_after_forward(False)
     for module in modules:
         module.unshard()
@@ -223,7 +235,8 @@ class SampledLogProbs:
 
 
 class VLLMRollout:
-    """A vLLM engine that generates from `policy` (FSDP2-sharded, LoRA or not) as it is at each call."""
+    """A vLLM engine that generates from `policy` (FSDP2-sharded, LoRA or not) as it is at each call; without a policy
+    (a rollout worker's, in a process of its own), from the weights last loaded into it."""
 
     def __init__(
         self,
@@ -243,21 +256,24 @@ class VLLMRollout:
         lora_sync: str = "auto",
         offload: bool = False,
         frozen: bool = False,
+        adapter_config=None,
     ):
         """The engine loads the base weights from `model_path`; with LoRA it serves the policy's adapter on top
         of them, or receives the adapter merged into every weight: `lora_sync` "adapter" or "merged"; "auto" merges on
         CPUs, where vLLM's LoRA kernels cost more than the model (3.4x the generation time on SmolLM2-135M), and sends
         the adapter on GPUs. `offload` moves the policy's
         weights and optimiser state to CPU memory while the engine generates (on GPUs). `frozen`: the policy never
-        changes (a judge), so the engine keeps the weights it loaded and is sent none."""
+        changes (a judge), so the engine keeps the weights it loaded and is sent none. Without a policy the engine has
+        its accelerator to itself and never sleeps; `adapter_config` (a LoraConfig) is then the adapter it will be sent,
+        if any."""
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not every reload and cache reset at INFO
         from vllm import LLM
 
         self.policy, self.optimizer, self.eos_token_ids, self.pad_token_id = policy, optimizer, eos_token_ids, pad_token_id
         self.offload, self.on_gpu, self.dtype, self.frozen = offload, on_gpu, dtype, frozen
-        adapter = policy.peft_config[weight_sync.ADAPTER] if hasattr(policy, "peft_config") else None
-        merged = lora_sync == "merged" or (lora_sync == "auto" and not on_gpu)
-        self.serves_adapter = adapter is not None and not merged
+        adapter = policy.peft_config[weight_sync.ADAPTER] if hasattr(policy, "peft_config") else adapter_config
+        self.colocated = policy is not None
+        self.serves_adapter = serves_adapter(adapter is not None, lora_sync, on_gpu)
         # What external-launcher mode reads to place this process; the group itself already exists.
         addr, port = master
         os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR=addr, MASTER_PORT=str(port))
@@ -296,13 +312,14 @@ class VLLMRollout:
 
     def generate(self, prompts, prompt_mask, max_response_length, do_sample, temperature, top_p, top_k, stop_strings=None):
         """[batch, steps] response tokens and their log-probs, from an engine woken with the policy's current weights."""
-        if self.on_gpu:
+        sleeps = self.on_gpu and self.colocated
+        if sleeps:
             self.llm.wake_up(tags=["weights"])
-        if not self.frozen:
+        if self.colocated and not self.frozen:
             self.sync_weights()
         if self.offload:
             move_policy(self.policy, self.optimizer, "cpu")
-        if self.on_gpu:
+        if sleeps:
             self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
         token_lists = [row[mask.bool()].tolist() for row, mask in zip(prompts, prompt_mask)]
@@ -327,7 +344,7 @@ class VLLMRollout:
             self.load_weights(weight_sync.engine_weights(self.policy))
 
     def _sleep(self) -> None:
-        if self.on_gpu:
+        if self.on_gpu and self.colocated:
             self.llm.sleep(level=self.sleep_level)
 
     def load_weights(self, weights) -> None:
@@ -353,6 +370,16 @@ class VLLMRollout:
             self.llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
             shutil.rmtree(self.lora_request.lora_path, ignore_errors=True)
         self.lora_request = request
+
+    def prompt_log_probs(self, tokens: list[int]) -> torch.Tensor:
+        """log p(token | the tokens before it) for every token of `tokens` but the first, at temperature 1 (vLLM
+        scores a prompt before any temperature), from the weights the engine holds now."""
+        from vllm import SamplingParams
+
+        self.llm.reset_prefix_cache()  # cached prefixes may have been computed with older weights
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+        [output] = self.llm.generate([{"prompt_token_ids": tokens}], params, lora_request=self.lora_request, use_tqdm=False)
+        return torch.tensor([position[token].logprob for token, position in zip(tokens[1:], output.prompt_logprobs[1:])])
 
     def _generate(self, prompts: list[list[int]], max_tokens: int, do_sample, temperature, top_p, top_k, stop_strings):
         """One response per prompt: (token ids, log-prob of each under the sampling distribution); a response that
@@ -419,9 +446,22 @@ def response_batch(prompts, prompt_mask, responses, log_probs, max_response_leng
 
 def rollout_logprob_gap(batch: DataProto, bound: float) -> dict:
     """How far the engine's log-probs of its own samples are from the trainer's (`old_log_probs`), per token: mean
-    and max, checked by check_rollout_gap."""
-    gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()[batch["response_mask"].bool()]
-    return check_rollout_gap(gap.mean().item(), bound) | {"rollout/logprob_diff_max": gap.max().item()}
+    and max. check_rollout_gap checks the samples generated from the weights the trainer holds (`staleness` 0, every
+    one unless --max-staleness): those from older weights differ by the updates since, by design, and the probe after
+    each weight sync checks their engines instead (Run.next_rollouts)."""
+    mask = batch["response_mask"].bool()
+    gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
+    fresh = mask & (batch["staleness"] == 0)[:, None] if "staleness" in batch else mask
+    if fresh.any():
+        check_rollout_gap(gap[fresh].mean().item(), bound)
+    # trainer / engine probability per token: the importance weight that TIS truncates, spread wider as samples age
+    weights = (batch["old_log_probs"] - batch["rollout_log_probs"])[mask].clamp(max=20).exp()
+    return {
+        "rollout/logprob_diff_mean": gap[mask].mean().item(),
+        "rollout/logprob_diff_max": gap[mask].max().item(),
+        "rollout/importance_weight_std": weights.std().item() if len(weights) > 1 else 0.0,
+        "rollout/importance_weight_max": weights.max().item(),
+    }
 
 
 def check_rollout_gap(mean: float, bound: float) -> dict:
@@ -439,3 +479,15 @@ def check_rollout_gap(mean: float, bound: float) -> dict:
             "merged weights with --lora-sync merged. Raise the bound only for an engine that computes in lower precision."
         )
     return {"rollout/logprob_diff_mean": mean}
+
+
+def check_probe(version: int, trainer_probe: torch.Tensor, engine_probes: list[torch.Tensor], bound: float) -> dict:
+    """The probe's log-probs under the weights of update `version`, as the trainer and as each rollout worker computes
+    them after receiving those weights (Run._send_weights): a mean gap above `bound` means an engine generates from
+    other weights, and stops the run as check_rollout_gap does."""
+    gap = max((probe - trainer_probe).abs().mean().item() for probe in engine_probes)
+    try:
+        check_rollout_gap(gap, bound)
+    except RuntimeError as error:
+        raise RuntimeError(f"after the weights of update {version} reached the rollout workers, {error}") from None
+    return {"rollout/probe_logprob_diff": gap}

@@ -76,6 +76,13 @@ class RunArgs:
     stops in this terminal (--num-workers is then 1)"""
     rollout_engine: Literal["hf", "vllm"] = "hf"
     """what generates rollouts: `hf`, transformers' generate on the policy itself; `vllm`, a vLLM engine in its process"""
+    rollout_workers: int = flag(0, resumable=True)
+    """0: the policy's own processes generate (the hybrid engine); N: N processes apart from the policy's, one
+    --rollout-engine each, to which the policy sends its weights after each update (split placement, see README)"""
+    max_staleness: int = flag(0, resumable=True)
+    """0: each step generates its batch from the policy as it is, then trains; K: the rollout workers generate the next
+    batches while the policy trains, from weights at most K updates older than the policy's (needs --rollout-workers;
+    the scripts' losses then correct for the older weights, see README)"""
     rollout_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """with vllm: what the engine computes in (the trainer keeps fp32 weights; TIS corrects the gap)"""
     rollout_gpu_memory_utilization: float = 0.5
@@ -234,6 +241,23 @@ class Run:
                 f"--micro-batch-tokens {args.micro_batch_tokens} cannot hold one sequence of --max-prompt-length + "
                 f"--max-response-length = {longest} tokens; raise it, or use 0 to count sequences with --micro-batch-size"
             )
+        if args.rollout_workers < 0 or (args.rollout_workers and args.in_process):
+            raise ValueError(
+                f"--rollout-workers is {args.rollout_workers}; use 0 for the policy's own processes to generate (the only "
+                "choice with --in-process), or more for engines apart from them"
+            )
+        if args.max_staleness < 0 or (args.max_staleness and not args.rollout_workers):
+            raise ValueError(
+                f"--max-staleness is {args.max_staleness}: above 0, the engines generate while the policy trains, which "
+                "needs engines apart from the policy's processes (--rollout-workers 1 or more); 0 is the synchronous loop"
+            )
+        if args.max_staleness and args.env:
+            raise ValueError(
+                "--env runs episodes turn by turn with the environment, a batch at a time: drop --max-staleness (the "
+                "engines apart, --rollout-workers, still generate them)"
+            )
+        if args.rollout_workers and args.offload:
+            raise ValueError("--offload makes room for an engine in the policy's processes: drop it with --rollout-workers")
         if args.reward_workers is not None and args.reward_workers < 0:
             raise ValueError(f"--reward-workers is {args.reward_workers}; use 0 to score in this process, or more")
         if args.judge_model is not None and (args.reward_model is not None or args.judge_template is None):
@@ -331,12 +355,22 @@ class Run:
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0
             if args.offload and not use_gpu:
                 raise ValueError("--offload frees GPU memory for the vllm engine; drop it on CPUs")
+            kind, apart = ("GPU" if use_gpu else "CPU"), args.rollout_workers + args.reward_model_workers
+            have = int(ray.cluster_resources().get(kind, 0))
+            if apart and num_workers + apart > have:
+                raise ValueError(
+                    f"--num-workers {num_workers}, --rollout-workers {args.rollout_workers} and --reward-model-workers "
+                    f"{args.reward_model_workers} need {num_workers + apart} {kind}s, one each; the Ray cluster has {have}: "
+                    "lower them or add nodes"
+                )
             colocated = scored_by_model and not args.reward_model_workers
             self.pool = ResourcePool(num_workers, use_gpu, max_colocated=worker_groups + colocated)
         self.reward_model, self.judge, self.reward_model_pool = None, None, None
         if scored_by_model:
             self._start_reward_model()
         self.groups, self.train_batches = {}, self.train_loader.forever()
+        # the engines apart (--rollout-workers), and the policy's version: its updates so far
+        self.engines, self.version = None, 0
         self.start_step, self.first_val, self.last_val, self.bad_steps = 1, None, None, 0
         self.resumed, self.stop, self.step_start, self.postfix, self.last_step = False, None, 0.0, {}, 0
 
@@ -411,7 +445,7 @@ class Run:
         args = self.args
         rollout = dict(
             temperature=args.temperature,
-            rollout_engine=args.rollout_engine,
+            rollout_engine=None if args.rollout_workers else args.rollout_engine,
             rollout_dtype=args.rollout_dtype,
             rollout_gpu_memory_utilization=args.rollout_gpu_memory_utilization,
             lora_sync=args.lora_sync,
@@ -419,29 +453,108 @@ class Run:
             max_model_len=args.max_prompt_length + args.max_response_length,
             log_prob_chunk_tokens=args.log_prob_chunk_tokens,
         )
-        return self.workers(PolicyWorker, "policy", **(rollout | settings))
+        policy = self.workers(PolicyWorker, "policy", **(rollout | settings))
+        if args.rollout_workers:
+            self._start_rollout_workers(policy)
+        return policy
+
+    def _start_rollout_workers(self, policy) -> None:
+        """--rollout-workers engines apart from the policy (common/rollout_workers.py). They get their first weights at
+        the first generate."""
+        from common.rollout import serves_adapter
+        from common.rollout_workers import RolloutWorkers, probe
+
+        args = self.args
+        lora, on_gpu = args.lora_rank > 0, self.pool.use_gpu
+        self.engines = RolloutWorkers(
+            policy,
+            args.rollout_workers,
+            on_gpu,
+            probe(self.val_loader.dataset, self.eos_token_ids, self.tokenizer.pad_token_id, args.max_response_length),
+            args.max_rollout_logprob_diff,
+            args.rollout_engine == "vllm" and serves_adapter(lora, args.lora_sync, on_gpu),
+            model_path=args.model_path,
+            temperature=args.temperature,
+            rollout_engine=args.rollout_engine,
+            rollout_dtype=args.rollout_dtype,
+            rollout_gpu_memory_utilization=args.rollout_gpu_memory_utilization,
+            max_model_len=args.max_prompt_length + args.max_response_length,
+            compute_dtype=args.compute_dtype,
+            seed=args.seed,
+        )
+
+    def _engines(self):
+        """The group that generates: the policy's, or the engines apart, the policy's newest weights queued for them."""
+        if self.engines is None:
+            return self.groups["policy"]
+        self.engines.send_weights(self.version)
+        return self.engines.group
+
+    def next_rollouts(self, n: int, metrics: dict):
+        """The next batch of prompts, `n` samples of each (a prompt's samples share its uid), with the `staleness`
+        of each sample: the updates the policy had since the weights that generated it.
+
+        With --max-staleness 0 the batch is generated now, from the policy as it is. Above 0 it comes from the
+        batches the rollout workers generate while the policy trains (--max-staleness + 1 asked at a time), each from
+        the newest weights they held when they began it; one that would train more than --max-staleness updates after
+        them is dropped, counted in `rollout/dropped_batches`, and another generated. `metrics` gets the seconds
+        this waited for the engines (`timing/wait_for_rollouts`), the seconds the engines waited for prompts or weights
+        before they began the batch (`timing/rollout_idle`, their mean), and the weight probe's gap."""
+        import torch
+
+        args = self.args
+        if self.engines is None or args.env:
+            batch = self.next_prompts().repeat(n, interleave=True)
+            batch |= self.generate(batch)
+            if self.engines is not None:
+                self.engines.settle(metrics)
+            batch["staleness"] = torch.zeros(len(batch), dtype=torch.long)
+            return batch
+        start = time.perf_counter()
+        self.engines.send_weights(self.version)
+        generate = dict(max_response_length=args.max_response_length, top_p=args.top_p, top_k=args.top_k)
+        while self.engines.batches_asked() < args.max_staleness + 1:
+            position = self.train_loader.state_dict()
+            self.engines.ask(self.next_prompts().repeat(n, interleave=True), position, **generate)
+        while True:
+            batch = self.engines.take(metrics)
+            batch["staleness"] = self.version - batch["weight_version"]
+            if batch["staleness"].max() <= args.max_staleness:
+                break
+            metrics["rollout/dropped_batches"] = metrics.get("rollout/dropped_batches", 0) + 1
+            position = self.train_loader.state_dict()
+            self.engines.ask(self.next_prompts().repeat(n, interleave=True), position, **generate)
+        metrics["timing/wait_for_rollouts"] = metrics.get("timing/wait_for_rollouts", 0.0) + time.perf_counter() - start
+        return batch
 
     def generate(self, batch, do_sample: bool = True):
         """The policy's responses to `batch`'s prompts: one turn each, or with --env one episode each (see
-        common/envs.py), whose environment's tokens `response_mask` leaves out."""
+        common/envs.py), whose environment's tokens `response_mask` leaves out. They carry the `weight_version` they
+        were generated from: the policy's updates so far (single turns on rollout workers: as the engine held it)."""
+        import torch
+
         from common.envs import run_episodes
 
-        args, policy, prompts = self.args, self.groups["policy"], batch.select("prompts", "prompt_mask")
+        args, engines, prompts = self.args, self._engines(), batch.select("prompts", "prompt_mask")
         sampling = dict(do_sample=do_sample, top_p=args.top_p, top_k=args.top_k)
-        if not args.env:
-            return policy.scatter("generate", prompts, max_response_length=args.max_response_length, **sampling)
-        stop_strings = list(getattr(self.env_cls, "stop_strings", []))
-        return run_episodes(
-            policy,
-            batch,
-            self.env_calls,
-            stop_strings,
-            self.tokenizer,
-            self.eos_token_ids,
-            args.max_turns,
-            args.max_response_length,
-            sampling,
-        )
+        if args.env:
+            stop_strings = list(getattr(self.env_cls, "stop_strings", []))
+            generated = run_episodes(
+                engines,
+                batch,
+                self.env_calls,
+                stop_strings,
+                self.tokenizer,
+                self.eos_token_ids,
+                args.max_turns,
+                args.max_response_length,
+                sampling,
+            )
+        else:
+            generated = engines.scatter("generate", prompts, max_response_length=args.max_response_length, **sampling)
+        if "weight_version" not in generated:  # generated from the policy as it is now
+            generated["weight_version"] = torch.full((len(generated),), self.version)
+        return generated
 
     def next_prompts(self):
         """The next batch of prompts, reshuffled at every pass over the data."""
@@ -512,7 +625,7 @@ class Run:
         if self.resume_from is not None:
             saved = load_checkpoint(self.resume_from, self.groups)
             self.train_loader.load_state_dict(saved["loader"])
-            self.start_step = saved["step"] + 1
+            self.start_step, self.version = saved["step"] + 1, saved["step"]
             print(f"resumed from {self.resume_from}")
             return {key: saved[key] for key in driver_state}
         if self.args.val_before_train:
@@ -533,7 +646,7 @@ class Run:
         self.stop = StopRequest()
         progress = trange(self.start_step, self.args.total_steps + 1, desc=self.algo)
         for step in progress:
-            self.step_start = time.perf_counter()
+            self.step_start, self.version = time.perf_counter(), step - 1
             yield step
             progress.set_postfix(self.postfix)
             if self.stop.requested:
@@ -561,6 +674,10 @@ class Run:
             "timing/step": step_time,
             "perf/tokens_per_s": batch["attention_mask"].sum().item() / step_time,
         }
+        if "staleness" in batch:  # updates between the weights that generated the samples and the policy's
+            staleness = batch["staleness"].float()
+            metrics |= {"rollout/staleness_mean": staleness.mean().item(), "rollout/staleness_max": staleness.max().item()}
+        self.version = step  # the step's update: validation and the next generate see it
         if "ending" in batch:
             metrics |= episode_metrics(batch, "env/")
         # the reward's own keys beside its counts, which keep a name both use
@@ -575,7 +692,7 @@ class Run:
         metrics |= self._peak_memory()
         if step % args.save_freq == 0 or last:
             with timer("save", metrics):
-                driver = {"loader": self.train_loader.state_dict(), **driver_state}
+                driver = {"loader": self._data_position(), **driver_state}
                 save_checkpoint(self.tracker.run_dir, step, self.groups, driver, args.keep_last)
         self.tracker.log(metrics, step=step)
         self.postfix = dict(reward=f"{metrics['train/reward_mean']:.3f}", step_s=f"{step_time:.2f}")
@@ -588,10 +705,17 @@ class Run:
                 "are corrupted. Check the rewards and the learning rate, then continue with --resume auto"
             )
 
+    def _data_position(self) -> dict:
+        """Where the data stands for a resumed run: before the prompts of the batches the engines were asked for and
+        no step has trained on (a resumed run generates them again)."""
+        asked = self.engines.data_position() if self.engines is not None else None
+        return asked or self.train_loader.state_dict()
+
     def _worker_groups(self) -> dict:
+        groups = self.groups | ({"rollout": self.engines.group} if self.engines is not None else {})
         if self.judge is not None:
-            return self.groups | {"judge": self.judge.group}
-        return self.groups | ({"reward_model": self.reward_model} if self.reward_model is not None else {})
+            return groups | {"judge": self.judge.group}
+        return groups | ({"reward_model": self.reward_model} if self.reward_model is not None else {})
 
     def _peak_memory(self) -> dict:
         """The step's peak memory per worker method, the largest over ranks and calls (`perf/peak_memory_gb/policy/
@@ -621,7 +745,7 @@ class Run:
             self.env_calls.close()
         for group in self._worker_groups().values():
             group.shutdown()
-        for pool in (self.pool, self.reward_model_pool):
+        for pool in (self.pool, self.reward_model_pool, self.engines.pool if self.engines is not None else None):
             if pool is not None:
                 pool.shutdown()
 

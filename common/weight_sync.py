@@ -6,13 +6,21 @@ either the adapter (named as PEFT saves it) or the adapter merged into the
 base weights. Gathering one FSDP unit (a decoder layer, then the root's
 embeddings, norm and head) at a time keeps at most one layer whole on a
 device, never the whole model.
+
+Rollout engines in processes of their own (split placement) receive the same
+tensors over a process group of their own: the policy's rank 0 broadcasts
+each one to every engine (`send_tensors`, `received_tensors`), gloo between
+CPUs, NCCL between GPUs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import datetime
+import json
+from collections.abc import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 
 ADAPTER = "default"  # the name PEFT gives an adapter it creates
 
@@ -97,3 +105,51 @@ def engine_adapter(model) -> dict[str, torch.Tensor]:
     """The LoRA adapter of a sharded policy, whole, named as PEFT saves it (a collective: call every rank)."""
     model.reshard()
     return adapter_weights({name: param.full_tensor() for name, param in model.named_parameters() if is_adapter(name)})
+
+
+def join_group(address: tuple[str, int], rank: int, size: int, device: torch.device):
+    """The weight group: the policy's rank 0 (rank 0 here, which serves the rendezvous at `address`) and every rollout
+    engine's process. A group apart from each side's own, so that neither needs the other in its collectives."""
+    host, port = address
+    timeout = datetime.timedelta(minutes=30)  # an engine may finish a long generation before it joins a broadcast
+    store = dist.PrefixStore("weights", dist.TCPStore(host, port, size, rank == 0, timeout=timeout))
+    if device.type == "cuda":
+        return dist.ProcessGroupNCCL(store, rank, size)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def _broadcast(group, tensor: torch.Tensor) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
+def send_tensors(group, named_tensors: Iterable[tuple[str, torch.Tensor]], device: torch.device) -> None:
+    """Broadcast each (name, tensor) from rank 0 to the group: its name, shape and dtype, then its values; an empty
+    header ends the stream."""
+
+    def send_header(fields: list) -> None:
+        header = torch.tensor(list(json.dumps(fields).encode()), dtype=torch.uint8, device=device)
+        _broadcast(group, torch.tensor([header.numel()], device=device))
+        _broadcast(group, header)
+
+    for name, tensor in named_tensors:
+        send_header([name, list(tensor.shape), str(tensor.dtype).removeprefix("torch.")])
+        _broadcast(group, tensor.to(device).contiguous())
+    send_header([])
+
+
+def received_tensors(group, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """What send_tensors sends, one (name, tensor) at a time, as it arrives."""
+    while True:
+        size = torch.zeros(1, dtype=torch.long, device=device)
+        _broadcast(group, size)
+        header = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        _broadcast(group, header)
+        fields = json.loads(bytes(header.tolist()).decode())
+        if not fields:
+            return
+        name, shape, dtype = fields
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        _broadcast(group, tensor)
+        yield name, tensor

@@ -11,7 +11,9 @@ user's terminal.
 plus a rollout engine that generates from it (common/rollout.py) and, with
 LoRA, the reference (adapter disabled). `CriticWorker` is a value model
 sharded the same way. Neither knows any algorithm: losses arrive from the
-script as plain functions.
+script as plain functions. `RolloutWorker` is a rollout engine in a process
+of its own (split placement, see common/rollout_workers.py), which the
+policy's rank 0 sends its weights.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import resource
 import shutil
 import socket
+import time
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 from typing import Literal
@@ -33,6 +36,7 @@ import torch.distributed as dist
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from common import weight_sync
 from common.dataproto import DataProto
 from common.rollout import HFRollout, VLLMRollout, eos_token_ids, machine_memory_bytes, response_batch
 from common.sequence_parallel import SequenceParallel, full_attention, gather_tokens
@@ -41,6 +45,9 @@ from common.sequence_parallel import register as register_sequence_parallel
 
 class WorkerDied(RuntimeError):
     pass
+
+
+DIED = (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError)  # a rank gone, or stopped by Ray's memory monitor
 
 
 class ResourcePool:
@@ -117,13 +124,17 @@ class WorkerGroup:
             [ready], pending = ray.wait(pending, num_returns=1)
             try:
                 results[rank_of[ready]] = ray.get(ready)
-            except ray.exceptions.RayActorError as error:
+            except DIED as error:
                 raise WorkerDied(f"{self.name} worker rank {rank_of[ready]} died during '{method}'") from error
         return results
 
     def broadcast(self, method: str, *args, **kwargs) -> list:
         """Call `method` with the same arguments on every rank; one result per rank."""
-        return self._get([self._call(w, method, *args, **kwargs) for w in self.workers], method)
+        return self.submit(method, *args, **kwargs).result()
+
+    def submit(self, method: str, *args, **kwargs) -> Pending:
+        """broadcast without waiting for it: the ranks start now (in process, the call has already run)."""
+        return Pending(self, [self._call(w, method, *args, **kwargs) for w in self.workers], method)
 
     def scatter(self, method: str, data: DataProto, **kwargs):
         """Split `data` across ranks (padding to a multiple of the world size), call all, reassemble.
@@ -135,6 +146,10 @@ class WorkerGroup:
         tokens among them (the worker's `sequence_parallel_methods`). DataProto results come back in `data`'s order,
         unpadded; others as a list per part.
         """
+        return self.submit_scatter(method, data, **kwargs).result()
+
+    def submit_scatter(self, method: str, data: DataProto, **kwargs) -> Pending:
+        """scatter without waiting for it: the ranks start now, and the result is reassembled when asked for."""
         copies = self.sequence_parallel if method in self.sequence_parallel_methods else 1
         count = self.world_size // copies
         padded, pad = data.pad_to_multiple(count)
@@ -146,10 +161,14 @@ class WorkerGroup:
         else:
             parts = np.array_split(np.arange(len(padded)), count)
         refs = [self._call(w, method, padded[parts[rank // copies]], **kwargs) for rank, w in enumerate(self.workers)]
-        results = self._get(refs, method)[::copies]  # a sequence-parallel group's ranks return the same
-        if isinstance(results[0], DataProto):
-            return DataProto.concat(results)[np.argsort(np.concatenate(parts))].unpad(pad)
-        return results
+
+        def reassemble(results: list):
+            results = results[::copies]  # a sequence-parallel group's ranks return the same
+            if isinstance(results[0], DataProto):
+                return DataProto.concat(results)[np.argsort(np.concatenate(parts))].unpad(pad)
+            return results
+
+        return Pending(self, refs, method, reassemble)
 
     def shutdown(self) -> None:
         """Kill every rank and wait until each is gone, so that the next group finds its memory free
@@ -162,8 +181,35 @@ class WorkerGroup:
         for worker in self.workers:
             try:
                 ray.get(worker.__ray_ready__.remote())
-            except ray.exceptions.RayActorError:
+            except DIED:  # already
                 pass
+
+
+class Pending:
+    """A method under way on every rank of a group (WorkerGroup.submit, submit_scatter)."""
+
+    def __init__(self, group: WorkerGroup, refs: list, method: str, reassemble=lambda results: results):
+        self.group, self.refs, self.method, self.reassemble = group, refs, method, reassemble
+
+    def result(self):
+        """Wait for every rank; the group's result (a rank that died: WorkerDied)."""
+        return self.reassemble(self.group._get(self.refs, self.method))
+
+
+def wait_all(*calls: Pending) -> list:
+    """The results of methods under way on several groups whose ranks meet in one collective (the policy sending
+    weights, the rollout workers receiving them): a rank that dies in either group is reported at once, not after
+    the others time out waiting for it."""
+    pending = [ref for call in calls if not call.group.in_process for ref in call.refs]
+    while pending:
+        [ready], pending = ray.wait(pending, num_returns=1)
+        call = next(call for call in calls if ready in call.refs)
+        try:
+            ray.get(ready)
+        except DIED as error:
+            rank = call.refs.index(ready)
+            raise WorkerDied(f"{call.group.name} worker rank {rank} died during '{call.method}'") from error
+    return [call.result() for call in calls]
 
 
 def balanced_parts(
@@ -839,6 +885,8 @@ def _response_log_probs(logits: torch.Tensor, responses: torch.Tensor, temperatu
 class PolicyWorker(FSDPWorker):
     """The hybrid engine: trainable policy, rollout engine and reference in one process."""
 
+    sequence_parallel_methods = (*FSDPWorker.sequence_parallel_methods, "probe_log_probs")
+
     trains = True  # else its rollout engine keeps the weights it loaded, never sent the model's
 
     def _from_pretrained(self, model_path: str, **kwargs):
@@ -855,7 +903,7 @@ class PolicyWorker(FSDPWorker):
         model_path: str,
         temperature: float = 1.0,
         use_reference: bool = True,
-        rollout_engine: str = "hf",
+        rollout_engine: str | None = "hf",
         rollout_dtype: str = "bfloat16",
         rollout_gpu_memory_utilization: float = 0.5,
         max_model_len: int = 2048,
@@ -864,7 +912,8 @@ class PolicyWorker(FSDPWorker):
         log_prob_chunk_tokens: int = 0,
         **settings,
     ) -> None:
-        """The policy (see FSDPWorker.setup), its rollout engine (common/rollout.py), and the reference.
+        """The policy (see FSDPWorker.setup), its rollout engine (common/rollout.py; none: `rollout_engine` None), and
+        the reference.
 
         Log-probs are those of the logits divided by `temperature`, the distribution rollouts sample from, computed
         over the vocabulary `log_prob_chunk_tokens` response tokens at a time (see chunked_log_probs; 0: all at once).
@@ -886,7 +935,9 @@ class PolicyWorker(FSDPWorker):
         # FSDP2 initialises lazily on the root's first forward; generate needs that done.
         with torch.no_grad():
             self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device))
-        if rollout_engine == "hf":
+        if rollout_engine is None:  # rollout workers of their own generate (split placement)
+            self.rollout = None
+        elif rollout_engine == "hf":
             self.rollout = HFRollout(self.model, self.tokenizer, self.eos_token_ids, self.pad_token_id)
         else:
             self.rollout = VLLMRollout(
@@ -1001,6 +1052,43 @@ class PolicyWorker(FSDPWorker):
         """PPO-style update with the script's `loss_fn(micro_batch, (log_prob, entropy), ...)`."""
         return self._update(data, loss_fn, lambda micro: self._forward(self.model, micro, with_entropy=True))
 
+    def adapter_config(self):
+        """The LoRA adapter's PEFT config, for a rollout worker that will serve it."""
+        return self.model.peft_config[weight_sync.ADAPTER]
+
+    def join_weight_group(self, address: tuple[str, int], size: int) -> None:
+        """Rank 0 joins the rollout workers' weight group (see weight_sync.join_group); the others only gather."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self.rank == 0:
+            self.weight_group = weight_sync.join_group(address, 0, size, self.device)
+            self.sender, self.sending = ThreadPoolExecutor(max_workers=1), None
+
+    @measured
+    def send_weights(self, adapter: bool) -> None:
+        """The policy as it is now, to every rollout worker: its LoRA adapter alone, or every weight (an adapter
+        merged in). A collective: every rank gathers. Rank 0 copies them to CPU memory and sends the copy from a
+        thread, which the engines join when they are done with what they are generating: the policy trains meanwhile.
+        One version at a time: the next waits until the engines took this one."""
+        weights = weight_sync.engine_adapter(self.model).items() if adapter else weight_sync.engine_weights(self.model)
+        if self.rank != 0:
+            for _ in weights:  # the gathers of every unit
+                pass
+            return
+        if self.sending is not None:
+            self.sending.result()  # raises what went wrong in the thread
+        copy = [(name, tensor.to("cpu", copy=True)) for name, tensor in weights]
+        self.sending = self.sender.submit(weight_sync.send_tensors, self.weight_group, copy, self.device)
+
+    @torch.no_grad()
+    def probe_log_probs(self, data: DataProto) -> DataProto:
+        """compute_log_prob at temperature 1, as a vLLM engine scores a given sequence (see Run._send_weights)."""
+        temperature, self.temperature = self.temperature, 1.0
+        try:
+            return self.compute_log_prob(data)
+        finally:
+            self.temperature = temperature
+
 
 class CriticWorker(FSDPWorker):
     """A value model: the policy's architecture with a scalar head over every token (see FSDPWorker.setup)."""
@@ -1101,3 +1189,122 @@ class JudgeWorker(PolicyWorker):
 
         verdicts, top_tokens = self._in_micro_batches(data, forward)
         return DataProto.from_dict({"verdict_log_probs": verdicts, "top_tokens": top_tokens})
+
+
+class RolloutWorker:
+    """A rollout engine in a process of its own (split placement, --rollout-workers): it generates from the weights the
+    policy last sent it (see PolicyWorker.send_weights) and tags every sample with their version, the number of
+    updates they had had. The engines of a group form a torch.distributed group of their own, which vLLM's external
+    launcher joins as the policy's engines join the policy's."""
+
+    sequence_parallel_methods = ()
+    master_address = FSDPWorker.master_address
+    phase_peak_memory = FSDPWorker.phase_peak_memory
+
+    def __init__(self, rank: int, world_size: int, use_gpu: bool):
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
+        self.phase_peaks: dict[str, float] = {}
+        self.version, self.idle, self.idle_since = 0, 0.0, time.perf_counter()
+
+    def setup(
+        self,
+        master,
+        model_path: str,
+        temperature: float = 1.0,
+        rollout_engine: str = "hf",
+        rollout_dtype: str = "bfloat16",
+        rollout_gpu_memory_utilization: float = 0.5,
+        max_model_len: int = 2048,
+        compute_dtype: str = "float32",
+        seed: int = 1,
+        adapter_config=None,
+    ) -> None:
+        """The engine, from `model_path`'s weights: vLLM in `rollout_dtype`, or transformers' generate in
+        `compute_dtype`. `adapter_config` (with vLLM): the LoRA adapter it will be sent, which it then serves; without
+        it, it receives every weight."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        addr, port = master
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world_size)
+        torch.manual_seed(seed + self.rank)
+        self.temperature, self.adapter_config = temperature, adapter_config
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.eos_token_ids = eos_token_ids(model_path, tokenizer)
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        if rollout_engine == "hf":
+            dtype = compute_dtype_for(compute_dtype, self.device)
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
+            self.rollout = HFRollout(self.model, tokenizer, self.eos_token_ids, self.pad_token_id)
+            return
+        self.rollout = VLLMRollout(
+            None,
+            None,
+            self.eos_token_ids,
+            self.pad_token_id,
+            model_path=model_path,
+            rank=self.rank,
+            world_size=self.world_size,
+            master=master,
+            seed=seed,
+            on_gpu=self.device.type == "cuda",
+            dtype=getattr(torch, rollout_dtype),
+            gpu_memory_utilization=rollout_gpu_memory_utilization,
+            max_model_len=max_model_len,
+            lora_sync="adapter" if adapter_config is not None else "merged",
+            adapter_config=adapter_config,
+        )
+
+    def join_weight_group(self, address: tuple[str, int], size: int) -> None:
+        """Join the policy's rank 0 in the weight group, as rank 1 and up (see weight_sync.join_group)."""
+        self.weight_group = weight_sync.join_group(address, self.rank + 1, size, self.device)
+
+    @measured
+    @torch.no_grad()
+    def receive_weights(self, version: int, probe: list[int], answer_length: int) -> torch.Tensor:
+        """Load what the policy's rank 0 sends (PolicyWorker.send_weights): from now on the engine generates from
+        version `version`. Every weight the engine has must arrive, or it would generate from stale ones. Returns the
+        log-probs at temperature 1 of the last `answer_length` tokens of `probe`, each after those before it, as the
+        engine now computes them (see Run._send_weights)."""
+        self.idle += time.perf_counter() - self.idle_since
+        weights = weight_sync.received_tensors(self.weight_group, self.device)
+        if self.adapter_config is not None:
+            self.rollout.load_adapter(dict(weights), self.adapter_config)
+        elif isinstance(self.rollout, VLLMRollout):
+            self.rollout.load_weights(weights)
+        else:
+            params = dict(self.model.named_parameters(remove_duplicate=False))
+            received = set()
+            for name, tensor in weights:  # to the end of the stream, whatever arrives: the sender waits for it
+                if name in params:
+                    params[name].copy_(tensor)
+                    received.add(name)
+            missing = sorted(set(params) - received)
+            if missing:
+                raise RuntimeError(f"the rollout worker received no weights for {missing}: it would generate with stale ones")
+        self.version = version
+        probe_log_probs = self.probe_log_probs(probe, answer_length)
+        self.idle_since = time.perf_counter()
+        return probe_log_probs
+
+    @torch.no_grad()
+    def probe_log_probs(self, tokens: list[int], answer_length: int) -> torch.Tensor:
+        """The log-probs at temperature 1 of the last `answer_length` of `tokens`, each after those before it."""
+        if isinstance(self.rollout, VLLMRollout):
+            return self.rollout.prompt_log_probs(tokens)[-answer_length:]
+        logits = self.model(torch.tensor([tokens], device=self.device)).logits[0, -answer_length - 1 : -1].float()
+        answer = torch.tensor(tokens[-answer_length:], device=self.device)
+        return torch.log_softmax(logits, dim=-1).gather(-1, answer[:, None]).squeeze(-1).cpu()
+
+    def generate(self, data: DataProto, max_response_length: int, **sampling) -> DataProto:
+        """PolicyWorker.generate from this engine, each sample tagged with its `weight_version` and the seconds the
+        engine had waited, for prompts or weights, since its last batch (`engine_idle_s`)."""
+        self.idle += time.perf_counter() - self.idle_since
+        batch = PolicyWorker.generate(self, data, max_response_length, **sampling)
+        batch["weight_version"] = torch.full((len(batch),), self.version)
+        batch["engine_idle_s"], self.idle = torch.full((len(batch),), self.idle), 0.0
+        self.idle_since = time.perf_counter()
+        return batch

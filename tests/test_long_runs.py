@@ -289,6 +289,12 @@ def test_a_hanging_reward_is_cut_off(tokenizer):
         ),
         (["--micro-batch-tokens", "-1"], "--micro-batch-tokens is -1; use 0 to count sequences, or more"),
         (["--sequence-parallel", "3"], "--sequence-parallel 3 does not divide --num-workers 2 into groups of workers"),
+        (["--max-staleness", "1"], "which needs engines apart from the policy's processes (--rollout-workers 1 or more)"),
+        (["--rollout-workers", "-1"], "--rollout-workers is -1; use 0 for the policy's own processes to generate"),
+        (
+            ["--rollout-workers", "1", "--max-staleness", "1", "--env", "calculator"],
+            "--env runs episodes turn by turn with the environment, a batch at a time: drop --max-staleness",
+        ),
         (
             ["--num-workers", "4", "--sequence-parallel", "4"],
             "has 2 attention heads, and each rank attends for at least one; use at most 2",
@@ -322,6 +328,9 @@ def test_a_hanging_reward_is_cut_off(tokenizer):
         "micro-batch-tokens-below-one-sequence",
         "micro-batch-tokens-negative",
         "sequence-parallel-indivisible-workers",
+        "staleness-without-rollout-workers",
+        "rollout-workers-negative",
+        "staleness-with-env",
         "sequence-parallel-above-heads",
         "max-response-length-0",
         "max-turns-0",

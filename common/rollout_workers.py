@@ -1,0 +1,101 @@
+"""Rollout engines apart from the policy (split placement, --rollout-workers), and what they were asked, in order.
+
+The engines (`common.workers.RolloutWorker`) run each call in the order it was made, so a queue of those calls on
+the driver mirrors theirs: new weights (the policy's rank 0 sends them from a copy, in a thread, see
+PolicyWorker.send_weights) and batches to generate. A batch asked after some weights is generated from them, and
+tagged with their version. After each weight sync every engine scores a probe that the trainer scored with the same
+weights: the log-prob guard for samples that come from older weights than the trainer's (see Run.next_rollouts).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import torch
+
+from common.data import collate
+from common.dataproto import DataProto
+from common.rollout import check_probe, response_batch
+from common.workers import ResourcePool, RolloutWorker, WorkerGroup, wait_all
+
+LOG_PROB_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
+
+
+class RolloutWorkers:
+    """`count` engines on accelerators of their own, joined to `policy`'s rank 0 by a weight group.
+
+    `probe`: a sequence (a response_batch row) that the trainer and the engines score after every sync;
+    `logprob_bound`: the largest mean gap between them (--max-rollout-logprob-diff); `sends_adapter`: the engines
+    serve the policy's LoRA adapter, sent alone, rather than receiving every weight.
+    """
+
+    def __init__(self, policy, count: int, use_gpu: bool, probe: DataProto, logprob_bound: float, sends_adapter: bool,
+                 **engine_settings):  # fmt: skip
+        self.policy, self.probe, self.logprob_bound, self.sends_adapter = policy, probe, logprob_bound, sends_adapter
+        self.pool = ResourcePool(count, use_gpu)
+        adapter_config = policy.broadcast("adapter_config")[0] if sends_adapter else None
+        self.group = WorkerGroup(RolloutWorker, self.pool, "rollout", adapter_config=adapter_config, **engine_settings)
+        address, size = policy.broadcast("master_address")[0], count + 1
+        wait_all(policy.submit("join_weight_group", address, size), self.group.submit("join_weight_group", address, size))
+        # ("weights", version, the trainer's probe log-probs, call) and ("batch", prompts, the data's position, call)
+        self.in_flight, self.version = collections.deque(), None
+
+    def send_weights(self, version: int) -> None:
+        """Queue the policy's weights of update `version`, behind what the engines were asked before, unless queued."""
+        if version == self.version:
+            return
+        response = self.probe["response_mask"].bool()
+        trainer_probe = self.policy.scatter("probe_log_probs", self.probe.select(*LOG_PROB_INPUTS))["old_log_probs"][response]
+        self.policy.submit("send_weights", self.sends_adapter).result()
+        tokens = self.probe["input_ids"][self.probe["attention_mask"].bool()].tolist()
+        receive = self.group.submit("receive_weights", version, tokens, len(trainer_probe))
+        self.in_flight.append(("weights", version, trainer_probe, receive))
+        self.version = version
+
+    def ask(self, prompts: DataProto, position: dict, **generate) -> None:
+        """The engines generate `prompts` once done with what they were asked before; `position`: the data's before
+        them, where a resumed run starts again."""
+        call = self.group.submit_scatter("generate", prompts.select("prompts", "prompt_mask"), **generate)
+        self.in_flight.append(("batch", prompts, position, call))
+
+    def batches_asked(self) -> int:
+        return sum(entry[0] == "batch" for entry in self.in_flight)
+
+    def take(self, metrics: dict) -> DataProto:
+        """The oldest batch asked, with its samples (waiting for them), after checking the probes of the weights queued
+        before it. `metrics` gets the probe's gap and the seconds the engines waited before they began the batch."""
+        while True:
+            kind, *entry, call = self.in_flight.popleft()
+            if kind == "weights":
+                version, trainer_probe = entry
+                metrics |= check_probe(version, trainer_probe, call.result(), self.logprob_bound)
+                continue
+            prompts, _ = entry
+            batch = prompts | call.result()
+            idle = metrics.get("timing/rollout_idle", 0.0) + batch["engine_idle_s"].mean().item()  # the engines' mean
+            metrics["timing/rollout_idle"] = idle
+            return batch
+
+    def settle(self, metrics: dict) -> None:
+        """Check the probes of every weight sync so far, once the engines are done with them (nothing else asked)."""
+        while self.in_flight:
+            _, version, trainer_probe, call = self.in_flight.popleft()
+            metrics |= check_probe(version, trainer_probe, call.result(), self.logprob_bound)
+
+    def data_position(self) -> dict | None:
+        """The data's position before the oldest batch asked and not taken, if any."""
+        return next((entry[2] for entry in self.in_flight if entry[0] == "batch"), None)
+
+
+def probe(prompts, eos_token_ids: list[int], pad_token_id: int | None, max_response_length: int) -> DataProto:
+    """The sequence that the trainer and every engine score after each weight sync: the first of `prompts` (rows of
+    load_prompts), answered with its own tokens (any tokens do, but an EOS, which would end the answer)."""
+    first = collate(prompts[np.array([0])], 0)
+    prompt = first["prompts"][first["prompt_mask"].bool()]
+    answer = prompt[~torch.isin(prompt, torch.tensor(eos_token_ids))][-max_response_length:]
+    pad = pad_token_id if pad_token_id is not None else eos_token_ids[0]
+    log_probs = torch.zeros(1, len(answer))
+    return response_batch(
+        first["prompts"], first["prompt_mask"], answer[None], log_probs, max_response_length, eos_token_ids, pad
+    )
