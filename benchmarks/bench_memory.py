@@ -13,7 +13,7 @@ The settings:
 - `--gradient-checkpointing` off or on: every decoder layer's activations kept for backward, or computed again.
 
     python benchmarks/bench_memory.py --lengths 1024 4096
-    python benchmarks/bench_memory.py --lengths 16384 --settings none/off 1024/on
+    python benchmarks/bench_memory.py --lengths 16384 --settings none/off none/on 1024/off
 """
 
 import argparse
