@@ -443,14 +443,10 @@ class Run:
         from common.workers import PolicyWorker
 
         args = self.args
-        rollout = dict(
-            temperature=args.temperature,
+        rollout = self._engine_settings() | dict(
             rollout_engine=None if args.rollout_workers else args.rollout_engine,
-            rollout_dtype=args.rollout_dtype,
-            rollout_gpu_memory_utilization=args.rollout_gpu_memory_utilization,
             lora_sync=args.lora_sync,
             offload=args.offload,
-            max_model_len=args.max_prompt_length + args.max_response_length,
             log_prob_chunk_tokens=args.log_prob_chunk_tokens,
         )
         policy = self.workers(PolicyWorker, "policy", **(rollout | settings))
@@ -473,14 +469,21 @@ class Run:
             probe(self.val_loader.dataset, self.eos_token_ids, self.tokenizer.pad_token_id, args.max_response_length),
             args.max_rollout_logprob_diff,
             args.rollout_engine == "vllm" and serves_adapter(lora, args.lora_sync, on_gpu),
+            **self._engine_settings(),
             model_path=args.model_path,
+            compute_dtype=args.compute_dtype,
+            seed=args.seed,
+        )
+
+    def _engine_settings(self) -> dict:
+        """How a rollout engine generates, in the policy's processes or apart."""
+        args = self.args
+        return dict(
             temperature=args.temperature,
             rollout_engine=args.rollout_engine,
             rollout_dtype=args.rollout_dtype,
             rollout_gpu_memory_utilization=args.rollout_gpu_memory_utilization,
             max_model_len=args.max_prompt_length + args.max_response_length,
-            compute_dtype=args.compute_dtype,
-            seed=args.seed,
         )
 
     def _engines(self):

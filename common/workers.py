@@ -882,6 +882,11 @@ def _response_log_probs(logits: torch.Tensor, responses: torch.Tensor, temperatu
     return token_log_probs, entropy
 
 
+def engine_placement(worker, master) -> dict:
+    """Where a worker's vLLM engine sits: its rank in the worker's group, whose rendezvous is `master`, and its device."""
+    return dict(rank=worker.rank, world_size=worker.world_size, master=master, on_gpu=worker.device.type == "cuda")
+
+
 class PolicyWorker(FSDPWorker):
     """The hybrid engine: trainable policy, rollout engine and reference in one process."""
 
@@ -946,11 +951,8 @@ class PolicyWorker(FSDPWorker):
                 self.eos_token_ids,
                 self.pad_token_id,
                 model_path=model_path,
-                rank=self.rank,
-                world_size=self.world_size,
-                master=master,
+                **engine_placement(self, master),
                 seed=settings.get("seed", 1),
-                on_gpu=self.device.type == "cuda",
                 dtype=getattr(torch, rollout_dtype),
                 gpu_memory_utilization=rollout_gpu_memory_utilization,
                 max_model_len=max_model_len,
@@ -1246,11 +1248,8 @@ class RolloutWorker:
             self.eos_token_ids,
             self.pad_token_id,
             model_path=model_path,
-            rank=self.rank,
-            world_size=self.world_size,
-            master=master,
+            **engine_placement(self, master),
             seed=seed,
-            on_gpu=self.device.type == "cuda",
             dtype=getattr(torch, rollout_dtype),
             gpu_memory_utilization=rollout_gpu_memory_utilization,
             max_model_len=max_model_len,
