@@ -373,6 +373,7 @@ class Run:
         self.engines, self.version = None, 0
         self.start_step, self.first_val, self.last_val, self.bad_steps = 1, None, None, 0
         self.resumed, self.stop, self.step_start, self.postfix, self.last_step = False, None, 0.0, {}, 0
+        self.stopping = False  # a stop request seen when end_step decided whether to save
 
     def _start_reward_model(self) -> None:
         """The reward model's group, or the judge's: on the run's accelerators, on --reward-model-workers of its own,
@@ -652,7 +653,7 @@ class Run:
             self.step_start, self.version = time.perf_counter(), step - 1
             yield step
             progress.set_postfix(self.postfix)
-            if self.stop.requested:
+            if self.stopping:  # a request that came after end_step's decision waits for the next step's checkpoint
                 break
 
     def end_step(self, step: int, batch, scores, metrics: dict, **driver_state) -> None:
@@ -686,7 +687,8 @@ class Run:
         # the reward's own keys beside its counts, which keep a name both use
         extras = extra_means(batch["reward_extra"] if "reward_extra" in batch else [], "reward/")
         metrics |= {key: value for key, value in extras.items() if key not in metrics}
-        last = step == args.total_steps or self.stop.requested
+        self.stopping = self.stop.requested
+        last = step == args.total_steps or self.stopping
         if step % args.test_freq == 0 or step == args.total_steps:
             with timer("validate", metrics):
                 val_metrics, samples = self._validate()
