@@ -68,8 +68,7 @@ class RolloutWorkers:
         while True:
             kind, *entry, call = self.in_flight.popleft()
             if kind == "weights":
-                version, trainer_probe = entry
-                metrics |= check_probe(version, trainer_probe, call.result(), self.logprob_bound)
+                metrics |= check_probe(*entry, call.result(), self.logprob_bound)
                 continue
             prompts, _ = entry
             batch = prompts | call.result()
@@ -80,8 +79,8 @@ class RolloutWorkers:
     def settle(self, metrics: dict) -> None:
         """Check the probes of every weight sync so far, once the engines are done with them (nothing else asked)."""
         while self.in_flight:
-            _, version, trainer_probe, call = self.in_flight.popleft()
-            metrics |= check_probe(version, trainer_probe, call.result(), self.logprob_bound)
+            _, *entry, call = self.in_flight.popleft()
+            metrics |= check_probe(*entry, call.result(), self.logprob_bound)
 
     def data_position(self) -> dict | None:
         """The data's position before the oldest batch asked and not taken, if any."""

@@ -517,17 +517,15 @@ class Run:
         start = time.perf_counter()
         self.engines.send_weights(self.version)
         generate = dict(max_response_length=args.max_response_length, top_p=args.top_p, top_k=args.top_k)
-        while self.engines.batches_asked() < args.max_staleness + 1:
-            position = self.train_loader.state_dict()
-            self.engines.ask(self.next_prompts().repeat(n, interleave=True), position, **generate)
         while True:
+            while self.engines.batches_asked() < args.max_staleness + 1:
+                position = self.train_loader.state_dict()
+                self.engines.ask(self.next_prompts().repeat(n, interleave=True), position, **generate)
             batch = self.engines.take(metrics)
             batch["staleness"] = self.version - batch["weight_version"]
             if batch["staleness"].max() <= args.max_staleness:
                 break
             metrics["rollout/dropped_batches"] = metrics.get("rollout/dropped_batches", 0) + 1
-            position = self.train_loader.state_dict()
-            self.engines.ask(self.next_prompts().repeat(n, interleave=True), position, **generate)
         metrics["timing/wait_for_rollouts"] = metrics.get("timing/wait_for_rollouts", 0.0) + time.perf_counter() - start
         return batch
 
