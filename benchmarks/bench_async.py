@@ -3,7 +3,8 @@
 Runs algos/grpo_hybrid.py on SmolLM2-135M-Instruct's times tables (`--model-path smollm2`, its demo settings) with a
 longer answer budget, --max-response-length 96: before training the model talks around the question, often to the
 budget, and after a few steps it answers in a few tokens, so a batch's lengths spread from one end to the other.
-Each setting runs the same samples and optimiser steps, on the vllm engine in fp32, in placements of 2 CPU slots:
+Each setting runs the same samples and optimiser steps, in fp32 (the vllm engine and the trainer, on any CPU), in
+placements of 2 CPU slots:
 
 - `colocated`: 2 policy workers, each generating with its own engine, then training (the default, synchronous);
 - `split`: 1 policy worker and 1 rollout worker, synchronous (--max-staleness 0);
@@ -37,6 +38,7 @@ def run(setting: str, seed: int, steps: int, prompts: int, response_length: int)
     with tempfile.TemporaryDirectory() as folder:
         flags = [
             "--model-path", "smollm2", "--rollout-engine", "vllm", "--rollout-dtype", "float32",
+            "--compute-dtype", "float32",
             "--max-response-length", str(response_length), "--total-steps", str(steps), "--test-freq", str(steps),
             "--train-batch-size", str(prompts), "--mini-batch-size", str(prompts),
             "--no-val-before-train", "--seed", str(seed), *SETTINGS[setting],

@@ -17,7 +17,7 @@ import torch
 from common.data import collate
 from common.dataproto import DataProto
 from common.rollout import check_probe, response_batch
-from common.workers import ResourcePool, RolloutWorker, WorkerGroup, wait_all
+from common.workers import ResourcePool, RolloutWorker, WorkerGroup, record_peak_memory, wait_all
 
 LOG_PROB_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
 
@@ -38,7 +38,8 @@ class RolloutWorkers:
         self.group = WorkerGroup(RolloutWorker, self.pool, "rollout", adapter_config=adapter_config, **engine_settings)
         address, size = policy.broadcast("master_address")[0], count + 1
         wait_all(policy.submit("join_weight_group", address, size), self.group.submit("join_weight_group", address, size))
-        # ("weights", version, the trainer's probe log-probs, call) and ("batch", prompts, the data's position, call)
+        # ("weights", version, the trainer's probe log-probs, call) and
+        # ("batch", prompts, the data's position, the engines' peak memory, call)
         self.in_flight, self.version = collections.deque(), None
 
     def send_weights(self, version: int) -> None:
@@ -57,30 +58,35 @@ class RolloutWorkers:
         """The engines generate `prompts` once done with what they were asked before; `position`: the data's before
         them, where a resumed run starts again."""
         call = self.group.submit_scatter("generate", prompts.select("prompts", "prompt_mask"), **generate)
-        self.in_flight.append(("batch", prompts, position, call))
+        peaks = self.group.submit("phase_peak_memory")  # of the batch and the weights taken before it
+        self.in_flight.append(("batch", prompts, position, peaks, call))
 
     def batches_asked(self) -> int:
         return sum(entry[0] == "batch" for entry in self.in_flight)
 
     def take(self, metrics: dict) -> DataProto:
         """The oldest batch asked, with its samples (waiting for them), after checking the probes of the weights queued
-        before it. `metrics` gets the probe's gap and the seconds the engines waited before they began the batch."""
+        before it. `metrics` gets the probe's gap, the seconds the engines waited before they began the batch, and
+        their peak memory."""
         while True:
             kind, *entry, call = self.in_flight.popleft()
             if kind == "weights":
                 metrics |= check_probe(*entry, call.result(), self.logprob_bound)
                 continue
-            prompts, _ = entry
+            prompts, _, peaks = entry
             batch = prompts | call.result()
+            record_peak_memory(metrics, "rollout", peaks.result())
             idle = metrics.get("timing/rollout_idle", 0.0) + batch["engine_idle_s"].mean().item()  # the engines' mean
             metrics["timing/rollout_idle"] = idle
             return batch
 
     def settle(self, metrics: dict) -> None:
-        """Check the probes of every weight sync so far, once the engines are done with them (nothing else asked)."""
+        """Check the probes of every weight sync so far, once the engines are done with them (nothing else asked), and
+        put the engines' peak memory in `metrics`."""
         while self.in_flight:
             _, *entry, call = self.in_flight.popleft()
             metrics |= check_probe(*entry, call.result(), self.logprob_bound)
+        record_peak_memory(metrics, "rollout", self.group.broadcast("phase_peak_memory"))
 
     def data_position(self) -> dict | None:
         """The data's position before the oldest batch asked and not taken, if any."""

@@ -692,7 +692,7 @@ class Run:
                 val_metrics, samples = self._validate()
             metrics |= val_metrics
             self.tracker.log_samples(samples, step=step)
-        metrics |= self._peak_memory()
+        self._record_peak_memory(metrics)
         if step % args.save_freq == 0 or last:
             with timer("save", metrics):
                 driver = {"loader": self._data_position(), **driver_state}
@@ -720,14 +720,18 @@ class Run:
             return groups | {"judge": self.judge.group}
         return groups | ({"reward_model": self.reward_model} if self.reward_model is not None else {})
 
-    def _peak_memory(self) -> dict:
+    def _record_peak_memory(self, metrics: dict) -> None:
         """The step's peak memory per worker method, the largest over ranks and calls (`perf/peak_memory_gb/policy/
-        update`...: resident memory on CPUs, allocated memory on GPUs; see workers.measured), and the largest of all."""
-        peaks = {}
+        update`...: resident memory on CPUs, allocated memory on GPUs; see workers.measured), and the largest of all.
+        The rollout workers report theirs with each batch (RolloutWorkers.take): asking them now would wait for the
+        batches they are generating."""
+        from common.workers import record_peak_memory
+
         for name, group in self._worker_groups().items():
-            ranks = group.broadcast("phase_peak_memory")
-            peaks |= {f"perf/peak_memory_gb/{name}/{method}": max(rank[method] for rank in ranks) for method in ranks[0]}
-        return peaks | {"perf/peak_memory_gb": max(peaks.values(), default=0.0)}
+            if name != "rollout":
+                record_peak_memory(metrics, name, group.broadcast("phase_peak_memory"))
+        peaks = [value for key, value in metrics.items() if key.startswith("perf/peak_memory_gb/")]
+        metrics["perf/peak_memory_gb"] = max(peaks, default=0.0)
 
     def finish(self) -> None:
         """Report, export the policy (unless stopped early), and release the workers."""

@@ -572,6 +572,15 @@ def measured(method):
     return call
 
 
+def record_peak_memory(metrics: dict, group: str, ranks: list[dict[str, float]]) -> None:
+    """Put the peaks that `group`'s ranks returned from phase_peak_memory in `metrics`, as
+    `perf/peak_memory_gb/<group>/<method>`: the largest over the ranks and over what `metrics` already holds."""
+    for rank in ranks:
+        for method, peak in rank.items():
+            key = f"perf/peak_memory_gb/{group}/{method}"
+            metrics[key] = max(metrics.get(key, 0.0), peak)
+
+
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
