@@ -135,8 +135,8 @@ def actor_loss(batch, outputs, minibatch_tokens, minibatch_seqs, args: Args):
     log_prob, entropy = outputs
     mask, counts = batch["response_mask"], (minibatch_tokens, minibatch_seqs)
     aggregate = partial(agg_loss, mask=mask, mode=args.loss_agg_mode, num_tokens=minibatch_tokens, num_seqs=minibatch_seqs)
-    # Without an old-log-prob pass (one epoch, one mini-batch) the policy that sampled is this one, unchanged so far:
-    # its log-probs held constant are the old ones (the ratio is 1, and its gradient that of the ratio).
+    # Without an old-log-prob pass (one epoch, one mini-batch) the policy before this update is this one, unchanged so
+    # far: its log-probs held constant are the old ones (the ratio is 1, and its gradient that of the ratio).
     old_log_prob = batch["old_log_probs"] if "old_log_probs" in batch else log_prob.detach()
     # Samples from older weights (--max-staleness) are off-policy: the decoupled objective (Hilton et al. 2022) clips
     # around the policy before this update and weights each token by it over the sampler's, truncated: TIS's weight.
@@ -149,7 +149,12 @@ def actor_loss(batch, outputs, minibatch_tokens, minibatch_seqs, args: Args):
     if "old_log_probs" not in batch:  # what the skipped pass would have measured: entropy, the engine's gap
         token_mean = partial(agg_loss, mask=mask, mode="token-mean", num_tokens=minibatch_tokens)
         metrics["entropy"] = token_mean(entropy).detach()
-        metrics["rollout_logprob_diff"] = token_mean((old_log_prob - batch["rollout_log_probs"]).abs())
+        log_ratio = old_log_prob - batch["rollout_log_probs"]
+        metrics["rollout_logprob_diff"] = token_mean(log_ratio.abs())
+        # the trainer's probability over the engine's, untruncated: its mean and spread (see rollout_gap_of_update)
+        importance_weight = log_ratio.clamp(max=20).exp()
+        metrics["importance_weight"] = token_mean(importance_weight)
+        metrics["importance_weight_sq_dev"] = token_mean((importance_weight - 1) ** 2)
     loss = pg_loss - args.entropy_coef * aggregate(entropy)
     metrics["pg_loss"] = pg_loss.detach()
     if args.kl_loss_coef > 0:
@@ -161,7 +166,7 @@ def actor_loss(batch, outputs, minibatch_tokens, minibatch_seqs, args: Args):
 
 if __name__ == "__main__":
     from common import demo
-    from common.rollout import check_rollout_gap, rollout_logprob_gap
+    from common.rollout import rollout_gap_of_update, rollout_logprob_gap
     from common.run import Run
     from common.tracking import timer
 
@@ -179,9 +184,9 @@ if __name__ == "__main__":
     run = Run("gspo", args)
     policy = run.policy(use_reference=args.kl_loss_coef > 0)
     log_prob_inputs = ("input_ids", "attention_mask", "position_ids", "responses")
-    # One epoch over one mini-batch trains the policy that sampled: the update's own log-probs are the old ones. Not so
-    # with --max-staleness, whose samples may come from older weights: the pass also checks the engines (see README).
-    old_log_prob_pass = args.ppo_epochs > 1 or args.mini_batch_size < args.train_batch_size or args.max_staleness > 0
+    # One epoch over one mini-batch trains the policy as it is before the update: the update's own log-probs are the old
+    # ones. With --max-staleness too, where the old policy is the proximal one of the decoupled objective (see actor_loss).
+    old_log_prob_pass = args.ppo_epochs > 1 or args.mini_batch_size < args.train_batch_size
     update_inputs = [*log_prob_inputs, "response_mask", "advantages", "rollout_log_probs"]
     if old_log_prob_pass:
         update_inputs.append("old_log_probs")
@@ -220,7 +225,7 @@ if __name__ == "__main__":
             actor_metrics = policy.scatter("update", batch.select(*update_inputs), loss_fn=partial(actor_loss, args=args))
         metrics |= {f"actor/{key}": value for key, value in actor_metrics[0].items()}
         if not old_log_prob_pass:  # the engine's gap, measured by the update: it stops the run before the next step
-            metrics |= check_rollout_gap(metrics.pop("actor/rollout_logprob_diff"), args.max_rollout_logprob_diff)
+            metrics |= rollout_gap_of_update(metrics, batch["staleness"], args.max_rollout_logprob_diff)
         run.end_step(step, batch, scores, metrics)
 
     run.finish()

@@ -204,14 +204,19 @@ class PromptLoader:
         self.epoch, self.batch_index = state["epoch"], state["batch_index"]
 
 
-def check_batch_sizes(train_batch_size: int, mini_batch_size: int, n: int, num_workers: int) -> None:
-    """Every rank must get the same whole number of sequences per mini-batch."""
+def check_batch_sizes(train_batch_size: int, mini_batch_size: int, n: int, num_workers: int, sequence_parallel: int) -> None:
+    """Every data-parallel rank (--num-workers / --sequence-parallel of them) must get the same whole number of
+    sequences per mini-batch."""
     if train_batch_size % mini_batch_size:
         raise ValueError(
             f"--train-batch-size {train_batch_size} is not a multiple of --mini-batch-size {mini_batch_size}; make it one"
         )
-    if mini_batch_size * n % num_workers:
+    data_parallel = num_workers // sequence_parallel
+    if mini_batch_size * n % data_parallel:
+        ranks = f"--num-workers {num_workers}"
+        if sequence_parallel > 1:
+            ranks = f"{data_parallel} data-parallel ranks ({ranks} / --sequence-parallel {sequence_parallel})"
         raise ValueError(
             f"a mini-batch of {mini_batch_size} prompts x {n} samples = {mini_batch_size * n} sequences "
-            f"does not split evenly over --num-workers {num_workers}; change one of them"
+            f"does not split evenly over {ranks}; change one of them"
         )

@@ -464,6 +464,19 @@ def rollout_logprob_gap(batch: DataProto, bound: float) -> dict:
     }
 
 
+def rollout_gap_of_update(metrics: dict, staleness: torch.Tensor, bound: float) -> dict:
+    """rollout_logprob_gap's figures where the update measured them, without an old-log-prob pass: from the token means
+    it put in `metrics` (popped from there), `actor/rollout_logprob_diff` (|trainer - engine| log-probs),
+    `actor/importance_weight` (w, trainer / engine probability) and `actor/importance_weight_sq_dev` ((w - 1)^2, so that
+    the spread of weights near 1 keeps its digits). The gap is checked only when every sample came from the weights
+    the trainer holds (`staleness` 0): the probe after each weight sync checks the engines of older ones."""
+    gap = metrics.pop("actor/rollout_logprob_diff")
+    mean, sq_dev = metrics.pop("actor/importance_weight"), metrics.pop("actor/importance_weight_sq_dev")
+    if staleness.max() == 0:
+        check_rollout_gap(gap, bound)
+    return {"rollout/logprob_diff_mean": gap, "rollout/importance_weight_std": max(sq_dev - (mean - 1) ** 2, 0.0) ** 0.5}
+
+
 def check_rollout_gap(mean: float, bound: float) -> dict:
     """The mean gap between the engine's log-probs of its samples and the trainer's, checked against `bound`.
 

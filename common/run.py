@@ -229,7 +229,7 @@ class Run:
                 f"--sequence-parallel {args.sequence_parallel} does not divide --num-workers {num_workers} into groups of "
                 "workers; change one of them"
             )
-        check_batch_sizes(args.train_batch_size, args.mini_batch_size, args.n, num_workers // args.sequence_parallel)
+        check_batch_sizes(args.train_batch_size, args.mini_batch_size, args.n, num_workers, args.sequence_parallel)
         check_rollout(args.rollout_engine, args.temperature, args.top_p, args.top_k, args.lora_sync, args.offload)
         longest = args.max_prompt_length + args.max_response_length
         if args.log_prob_chunk_tokens < 0:

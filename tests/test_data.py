@@ -132,8 +132,11 @@ def test_loader_epochs_shuffle_and_resume(tokenizer, tmp_path):
 
 
 def test_batch_sizes_must_divide():
-    check_batch_sizes(32, 16, 8, 2)
+    check_batch_sizes(32, 16, 8, 2, 1)
     with pytest.raises(ValueError, match="not a multiple of --mini-batch-size"):
-        check_batch_sizes(32, 12, 8, 2)
+        check_batch_sizes(32, 12, 8, 2, 1)
     with pytest.raises(ValueError, match="does not split evenly over --num-workers 3"):
-        check_batch_sizes(4, 4, 1, 3)
+        check_batch_sizes(4, 4, 1, 3, 1)
+    check_batch_sizes(1, 1, 2, 4, 2)  # 2 sequences over 2 data-parallel ranks of 2 workers each
+    with pytest.raises(ValueError, match=r"over 3 data-parallel ranks \(--num-workers 6 / --sequence-parallel 2\)"):
+        check_batch_sizes(4, 4, 1, 6, 2)

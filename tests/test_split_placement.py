@@ -112,11 +112,11 @@ ASYNC = ["--num-workers", "1", "--rollout-workers", "1", *VLLM_FP32]
     "algo, flags",
     [
         ("grpo", ["--max-staleness", "0"]),
-        ("grpo", ["--max-staleness", "2", "--total-steps", "4"]),
+        ("grpo", ["--max-staleness", "2", "--total-steps", "4", "--mini-batch-size", "8"]),
         ("ppo", ["--max-staleness", "1"]),
         ("dapo", ["--max-staleness", "1"]),
     ],
-    ids=["grpo-synchronous", "grpo-staleness-2", "ppo-staleness-1", "dapo-staleness-1"],
+    ids=["grpo-synchronous", "grpo-staleness-2-one-mini-batch", "ppo-staleness-1", "dapo-staleness-1"],
 )
 def test_steps_on_a_rollout_worker(ray_cluster, demo_files, tmp_path, algo, flags):
     """The policy on one worker and the vLLM engine on another: the engine generates the next batches while the policy
@@ -133,6 +133,8 @@ def test_steps_on_a_rollout_worker(ray_cluster, demo_files, tmp_path, algo, flag
         assert "timing/wait_for_rollouts" in row and "timing/rollout_idle" in row
         assert row.get("rollout/probe_logprob_diff", 0) < 1e-4
         assert row["perf/peak_memory_gb/rollout/generate"] > 0 and row["perf/peak_memory_gb/policy/send_weights"] > 0
+        # one epoch over one mini-batch: the update's own log-probs are the proximal policy's, with no pass of their own
+        assert ("timing/old_log_prob" in row) == ("--mini-batch-size" not in flags)
     assert sum("rollout/probe_logprob_diff" in row for row in steps) >= len(steps) - bound
     # from the second step the engine has been generating while the policy trained
     assert max(row["rollout/staleness_max"] for row in steps) == bound

@@ -50,6 +50,7 @@ if __name__ == "__main__":
     options = parser.parse_args()
     os.makedirs(options.out_dir, exist_ok=True)
     for split in ("train", "test"):
-        rows = [convert(row, split, i) for i, row in enumerate(datasets.load_dataset("DigitalLearningGmbH/MATH-lighteval", split=split))]
+        source = datasets.load_dataset("DigitalLearningGmbH/MATH-lighteval", split=split)
+        rows = [convert(row, split, i) for i, row in enumerate(source)]
         pq.write_table(pa.Table.from_pylist(rows), os.path.join(options.out_dir, f"{split}.parquet"))
         print(f"{len(rows)} rows -> {options.out_dir}/{split}.parquet")
