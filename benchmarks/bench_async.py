@@ -13,8 +13,8 @@ placements of 2 CPU slots:
 Prints per run the seconds per step (the mean over the steps after the first), the shares of a step the trainer
 waited for samples and the engine waited for prompts or weights, and the held-out accuracy after the last step.
 
-    python benchmarks/bench_async.py --settings colocated async --seeds 1 2 3
-    python benchmarks/bench_async.py --settings split --seeds 1
+    python benchmarks/bench_async.py                                  # every setting, seeds 1 to 3 (about 50 minutes)
+    python benchmarks/bench_async.py --settings split async --seeds 1
 """
 
 import argparse
