@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-CACHE_VERSION = "demo-v3"
+CACHE_VERSION = "demo-v4"
 CALCULATOR_CACHE_VERSION = "calculator-v1"
 DEMO_SEED = 0
 WARM_START_STEPS = 150
@@ -106,14 +106,35 @@ def calculator_transcript(a: int, b: int) -> list[tuple[str, bool]]:
     return [(f"[{a}*{b}]", True), (f"{a * b};", False), (str(a * b), True)]
 
 
-def warm_start(path: str, examples: list[tuple[str, list[tuple[str, bool]]]], steps: int) -> None:
+def warm_start(
+    path: str, examples: list[tuple[str, list[tuple[str, bool]]]], steps: int, memorise: list | None = None
+) -> None:
     """Supervised fine-tuning on (prompt, pieces) examples, full batch, in this process: the loss covers the pieces
-    the model writes, each followed by EOS when it is the last."""
+    the model writes, each followed by EOS when it is the last. With `memorise` (examples too), `steps` at least and
+    then until the model answers each of them greedily, up to `steps` more: where the steps stop short of that depends
+    on the CPU's floats."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(DEMO_SEED)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
+    input_ids, labels = sft_batch(tokenizer, examples)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=WARM_START_LR)
+    check = sft_batch(tokenizer, memorise) if memorise else None
+    step = 0
+    while step < steps or (check is not None and not answers_greedily(model, *check, tokenizer)):
+        if step == 2 * steps:
+            raise RuntimeError(f"the warm start does not answer its {len(memorise)} problems greedily after {step} steps")
+        loss = model(input_ids=input_ids, attention_mask=attention(input_ids, labels, tokenizer), labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        step += 1
+    model.save_pretrained(path)
+
+
+def sft_batch(tokenizer, examples: list[tuple[str, list[tuple[str, bool]]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The examples' tokens, padded, and their labels: the written pieces and the last EOS, -100 elsewhere."""
     sequences = []
     for prompt, pieces in examples:
         ids = tokenizer(prompt)["input_ids"]
@@ -128,15 +149,19 @@ def warm_start(path: str, examples: list[tuple[str, list[tuple[str, bool]]]], st
     for i, (ids, targets) in enumerate(sequences):
         input_ids[i, : len(ids)] = torch.tensor(ids)
         labels[i, : len(ids)] = torch.tensor(targets)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=WARM_START_LR)
-    for _ in range(steps):
-        loss = model(
-            input_ids=input_ids, attention_mask=(labels != -100) | (input_ids != tokenizer.pad_token_id), labels=labels
-        ).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.save_pretrained(path)
+    return input_ids, labels
+
+
+def attention(input_ids: torch.Tensor, labels: torch.Tensor, tokenizer) -> torch.Tensor:
+    return (labels != -100) | (input_ids != tokenizer.pad_token_id)  # the EOS the pad token may equal is a label
+
+
+@torch.no_grad()
+def answers_greedily(model, input_ids: torch.Tensor, labels: torch.Tensor, tokenizer) -> bool:
+    """Whether every labelled token is the model's most likely after those before it: greedy decoding writes them."""
+    logits = model(input_ids=input_ids, attention_mask=attention(input_ids, labels, tokenizer)).logits[:, :-1]
+    written = labels[:, 1:] != -100
+    return bool((logits.argmax(-1)[written] == labels[:, 1:][written]).all())
 
 
 def write_task(path: Path, problems: list[tuple[int, int]], operator: str = "+", data_source: str | None = None) -> None:
@@ -169,7 +194,7 @@ def build_addition(folder: Path, model_seed: int) -> None:
     # weighs the same: the model keeps its half and spreads its guesses evenly over the answers on the other.
     answers = range(19)
     unknown = [(f"{a}+{b}=", [(str(answer), True)]) for a, b in held_out for answer in answers]
-    warm_start(str(folder / "model"), known * len(answers) + unknown, WARM_START_STEPS)
+    warm_start(str(folder / "model"), known * len(answers) + unknown, WARM_START_STEPS, memorise=known)
     write_task(folder / "train.parquet", warm + held_out)
     write_task(folder / "val.parquet", held_out)
 

@@ -459,7 +459,7 @@ def rollout_logprob_gap(batch: DataProto, bound: float) -> dict:
     return {
         "rollout/logprob_diff_mean": gap[mask].mean().item(),
         "rollout/logprob_diff_max": gap[mask].max().item(),
-        "rollout/importance_weight_std": weights.std().item() if len(weights) > 1 else 0.0,
+        "rollout/importance_weight_std": weights.std(correction=0).item(),  # over the tokens, as rollout_gap_of_update
         "rollout/importance_weight_max": weights.max().item(),
     }
 

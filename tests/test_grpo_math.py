@@ -10,6 +10,8 @@ import dapo_hybrid
 import ppo_hybrid
 from grpo_hybrid import agg_loss, compute_grpo_advantages, compute_policy_loss, compute_tis_weights, kl_penalty
 
+from common.rollout import rollout_gap_of_update, rollout_logprob_gap
+
 
 def test_grpo_advantages_normalised_per_group():
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 5.0])
@@ -164,3 +166,20 @@ def test_actor_loss_without_old_log_probs_equals_the_loss_with_them(script):
     gap = ((log_prob_init - batch["rollout_log_probs"]).abs() * mask).sum() / mask.sum()
     assert float(metrics_skip["rollout_logprob_diff"]) == pytest.approx(gap.item(), rel=1e-5)
     assert float(metrics_skip["entropy"]) == pytest.approx(((entropy * mask).sum() / mask.sum()).item(), rel=1e-5)
+    # the driver's figures of the engine's gap and the importance weights' spread, as the pass's batch gives them
+    stale = torch.ones(4, dtype=torch.long)
+    update = {f"actor/{key}": float(value) for key, value in metrics_skip.items()}
+    figures = rollout_gap_of_update(update, stale, bound=0.1)
+    passed = DataProto.from_dict(batch | {"old_log_probs": log_prob_init, "staleness": stale})
+    expected = rollout_logprob_gap(passed, bound=0.1)
+    assert figures == pytest.approx({key: expected[key] for key in figures}, rel=1e-4)
+    assert figures["rollout/importance_weight_std"] > 0
+
+
+def test_the_updates_gap_is_checked_only_on_batches_from_the_trainers_weights():
+    """Samples from older weights differ from the trainer's by the updates since: the probe checks their engines."""
+    update = {"actor/rollout_logprob_diff": 0.5, "actor/importance_weight": 1.2, "actor/importance_weight_sq_dev": 0.13}
+    figures = rollout_gap_of_update(dict(update), torch.tensor([1, 0]), bound=0.1)
+    assert figures == pytest.approx({"rollout/logprob_diff_mean": 0.5, "rollout/importance_weight_std": 0.3})
+    with pytest.raises(RuntimeError, match="does not hold the policy's weights"):
+        rollout_gap_of_update(dict(update), torch.tensor([0, 0]), bound=0.1)

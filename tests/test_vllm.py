@@ -72,8 +72,11 @@ def rollout(policy, prompts, n=4, method="generate"):
     return batch
 
 
-def train(policy, batch, steps=3):
-    batch["advantages"] = torch.tensor(np.linspace(-1, 1, len(batch)), dtype=torch.float32)[:, None] * batch["response_mask"]
+def train(policy, batch, steps=3, advantages=None):
+    """`steps` updates on `batch` with one advantage per sample: `advantages`, or from -1 to 1 along the batch."""
+    if advantages is None:
+        advantages = torch.tensor(np.linspace(-1, 1, len(batch)), dtype=torch.float32)
+    batch["advantages"] = advantages[:, None] * batch["response_mask"]
     inputs = batch.select(*LOG_PROB_INPUTS, "response_mask", "old_log_probs", "advantages")
     for _ in range(steps):
         policy.scatter("update", inputs, loss_fn=partial(grpo_hybrid.actor_loss, args=grpo_hybrid.Args(kl_loss_coef=0.0)))
@@ -151,8 +154,10 @@ def test_after_updates_the_engine_holds_the_new_weights_and_a_stale_one_is_caugh
     before["old_log_probs"] = moved["old_log_probs"]
     assert gap(before) > 0.05
     assert rollout_logprob_gap(after, bound=0.1)["rollout/logprob_diff_max"] < FP32_GAP
-    # an engine left with the weights of the last sync, while the policy trains on, is stopped by the guard
-    train(policy, after)
+    # an engine left with the weights of the last sync, while the policy trains on, is stopped by the guard. The policy
+    # makes each sequence that engine sampled less likely: it samples them still (the same ones, if they were likely
+    # already, whichever sign an advantage from -1 to 1 gave them), and its log-probs of them are now too high.
+    train(policy, after, advantages=-torch.ones(len(after)))
     stale = rollout(policy, prompts, method="generate_without_sync")
     with pytest.raises(RuntimeError, match="the rollout engine does not hold the policy's weights"):
         rollout_logprob_gap(stale, bound=0.1)
