@@ -114,7 +114,9 @@ def assert_policies_agree(whole, split, batch: DataProto) -> None:
             outputs[-1] += (torch.tensor([metrics[0]["loss"], metrics[0]["grad_norm"]], dtype=torch.float64),)
         torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5, msg=lambda m: f"{layout}: {m}")
     weights_whole, weights_split = whole.broadcast("full_state_dict")[0], split.broadcast("full_state_dict")[0]
-    torch.testing.assert_close(weights_split, weights_whole, rtol=1e-5, atol=1e-5)
+    # Adam moves each weight by about the learning rate (1e-3) a step, whatever the size of its gradient: where that is
+    # near zero, the float noise of another order of summation is a share of the step. They agree to a tenth of one.
+    torch.testing.assert_close(weights_split, weights_whole, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 2), (3, 1)], ids=["heads-divide", "heads-do-not-divide"])

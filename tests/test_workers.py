@@ -306,8 +306,12 @@ def test_bf16_compute_over_fp32_master_weights(cpu_pool, tiny_model, prompts):
         batch = rollout(group, prompts, n=4)
         batch |= group.scatter("compute_log_prob", batch.select(*LOG_PROB_INPUTS))
         mask = batch["response_mask"].bool()
-        gap_to_fp32 = (batch["old_log_probs"] - local_log_probs(local_model(tiny_model), batch))[mask].abs()
-        assert 0 < gap_to_fp32.max() < 0.1  # bf16 rounds, but stays near the model
+        fp32 = local_log_probs(local_model(tiny_model), batch)[mask]
+        gap_to_fp32 = (batch["old_log_probs"][mask] - fp32).abs()
+        # bf16 keeps 8 bits of each number: every log-prob within a few percent of itself (an unlikely token's by a
+        # tenth of a nat), and their mean, which the guard reads, within a hundredth
+        assert 0 < gap_to_fp32.mean() < 0.01
+        assert torch.all(gap_to_fp32 <= 0.03 * fp32.abs() + 0.01)
         assert (batch["old_log_probs"] - batch["rollout_log_probs"])[mask].abs().mean() < 0.1
         before = group.broadcast("full_state_dict")[0]
         batch["advantages"] = torch.linspace(-1, 1, len(batch))[:, None] * batch["response_mask"]
