@@ -16,8 +16,10 @@ import torch
 
 from common.data import collate
 from common.dataproto import DataProto
+from common.memory import record_peak_memory
 from common.rollout import check_probe, response_batch
-from common.workers import ResourcePool, RolloutWorker, WorkerGroup, record_peak_memory, wait_all
+from common.worker_group import ResourcePool, WorkerGroup, wait_all
+from common.workers import RolloutWorker
 
 LOG_PROB_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
 

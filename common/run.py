@@ -350,7 +350,7 @@ class Run:
             init_ray()
             import ray
 
-            from common.workers import ResourcePool
+            from common.worker_group import ResourcePool
 
             use_gpu = ray.cluster_resources().get("GPU", 0) > 0
             if args.offload and not use_gpu:
@@ -379,7 +379,8 @@ class Run:
         """The reward model's group, or the judge's: on the run's accelerators, on --reward-model-workers of its own,
         or in this process. It scores and never trains, so no checkpoint holds it."""
         from common.judge import Judge
-        from common.workers import JudgeWorker, ResourcePool, RewardModelWorker, WorkerGroup
+        from common.worker_group import ResourcePool, WorkerGroup
+        from common.workers import JudgeWorker, RewardModelWorker
 
         args, pool = self.args, self.pool
         if args.reward_model_workers:
@@ -414,7 +415,7 @@ class Run:
     def workers(self, worker_cls, name: str, **settings):
         """A group of `worker_cls` on the run's accelerators (or in this process), set up with the run's model
         and optimiser settings, each overridden by `settings`."""
-        from common.workers import WorkerGroup
+        from common.worker_group import WorkerGroup
 
         args = self.args
         defaults = dict(
@@ -722,10 +723,10 @@ class Run:
 
     def _record_peak_memory(self, metrics: dict) -> None:
         """The step's peak memory per worker method, the largest over ranks and calls (`perf/peak_memory_gb/policy/
-        update`...: resident memory on CPUs, allocated memory on GPUs; see workers.measured), and the largest of all.
+        update`...: resident memory on CPUs, allocated memory on GPUs; see memory.measured), and the largest of all.
         The rollout workers report theirs with each batch (RolloutWorkers.take): asking them now would wait for the
         batches they are generating."""
-        from common.workers import record_peak_memory
+        from common.memory import record_peak_memory
 
         for name, group in self._worker_groups().items():
             if name != "rollout":
