@@ -448,7 +448,7 @@ def rollout_logprob_gap(batch: DataProto, bound: float) -> dict:
     """How far the engine's log-probs of its own samples are from the trainer's (`old_log_probs`), per token: mean
     and max. check_rollout_gap checks the samples generated from the weights the trainer holds (`staleness` 0, every
     one unless --max-staleness): those from older weights differ by the updates since, by design, and the probe after
-    each weight sync checks their engines instead (Run.next_rollouts)."""
+    each weight sync checks their engines instead (RolloutSupply.next_rollouts)."""
     mask = batch["response_mask"].bool()
     gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
     fresh = mask & (batch["staleness"] == 0)[:, None] if "staleness" in batch else mask

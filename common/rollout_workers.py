@@ -4,7 +4,7 @@ The engines (`common.workers.RolloutWorker`) run each call in the order it was m
 the driver mirrors theirs: new weights (the policy's rank 0 sends them from a copy, in a thread, see
 PolicyWorker.send_weights) and batches to generate. A batch asked after some weights is generated from them, and
 tagged with their version. After each weight sync every engine scores a probe that the trainer scored with the same
-weights: the log-prob guard for samples that come from older weights than the trainer's (see Run.next_rollouts).
+weights: the log-prob guard for samples that come from older weights than the trainer's (see RolloutSupply.next_rollouts).
 """
 
 from __future__ import annotations
