@@ -4,7 +4,7 @@ The real model (SmolLM2-135M-Instruct, `--model-path smollm2`, see common/pretra
 16, as its demo trains it, in a group of --num-workers workers. Each worker takes one sequence: a chat prompt and a
 response of N made-up tokens. For each length and setting, a fresh group runs the log-prob pass (no gradients) and
 then one update (GRPO's loss, forward and backward), and reports the largest peak over its workers of each method,
-from the method's own start (common/workers.measured: on Linux the resident set's high-water mark), and its seconds
+from the method's own start (common/memory.measured: on Linux the resident set's high-water mark), and its seconds
 (one call, the first: they include the model's warm-up), or that Ray's memory monitor stopped it.
 The settings:
 
@@ -31,10 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "algos"))
 
 import grpo_hybrid  # noqa: E402
 from common.dataproto import DataProto  # noqa: E402
+from common.fsdp_worker import compute_dtype_for  # noqa: E402
 from common.pretrained import resolve  # noqa: E402
 from common.rollout import response_batch  # noqa: E402
 from common.run import init_ray  # noqa: E402
-from common.workers import PolicyWorker, ResourcePool, WorkerDied, WorkerGroup, compute_dtype_for  # noqa: E402
+from common.worker_group import ResourcePool, WorkerDied, WorkerGroup  # noqa: E402
+from common.workers import PolicyWorker  # noqa: E402
 
 cloudpickle.register_pickle_by_value(grpo_hybrid)
 LOG_PROB_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")

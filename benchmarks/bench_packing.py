@@ -8,7 +8,7 @@ loss) over the batch, two ways, each in a group of its own:
 - padded, as before: each rank takes the next equal share of rows, micro-batches of --micro-batch-size rows padded
   to their longest sequence;
 - packed: rows dealt to ranks by tokens (WorkerGroup.scatter), micro-batches of up to --micro-batch-tokens tokens
-  (FSDPWorker.micro_batches), sequences packed without padding (common/workers.py, response_outputs).
+  (FSDPWorker.micro_batches), sequences packed without padding (common/layouts.py, response_outputs).
 
 Prints the real tokens (no padding) per second of each pass, the slowest rank setting the pace, the peak resident
 memory of a worker, each rank's tokens, and the speed-ups.
@@ -37,7 +37,8 @@ from bench_rollout import build_model  # noqa: E402
 from common.dataproto import DataProto  # noqa: E402
 from common.rollout import response_batch  # noqa: E402
 from common.run import init_ray  # noqa: E402
-from common.workers import PolicyWorker, ResourcePool, WorkerGroup  # noqa: E402
+from common.worker_group import ResourcePool, WorkerGroup  # noqa: E402
+from common.workers import PolicyWorker  # noqa: E402
 
 cloudpickle.register_pickle_by_value(grpo_hybrid)
 EOS = 1
@@ -135,7 +136,7 @@ def main():
     results = {packed: measure(pool, model_path, batch, packed, args) for packed in (False, True)}
     pool.shutdown()
 
-    from common.workers import balanced_parts, part_loads
+    from common.layouts import balanced_parts, part_loads
 
     shares = [int(chunk.sum()) for chunk in lengths.chunk(args.num_workers)]
     balanced = part_loads(lengths.tolist(), balanced_parts(lengths.tolist(), args.num_workers, equal_size=True))

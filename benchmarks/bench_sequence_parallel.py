@@ -16,9 +16,10 @@ import ray
 import torch
 from bench_memory import measure, sequences  # bench_memory puts the repository on the path
 
+from common.fsdp_worker import compute_dtype_for
 from common.pretrained import resolve
 from common.run import init_ray
-from common.workers import ResourcePool, compute_dtype_for
+from common.worker_group import ResourcePool
 
 
 def main():

@@ -51,7 +51,7 @@ def run_hybridrl(steps: int, env: dict, extra_flags: list[str]) -> dict:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
     phases = sorted({key for row in rows for key in row if key.startswith("timing/")} - {"timing/validate", "timing/save"})
     mean = {key.removeprefix("timing/"): sum(row.get(key, 0.0) for row in rows) / len(rows) for key in phases}
-    # Each worker method's peak, from its own start (see common/workers.measured), the largest over ranks and steps.
+    # Each worker method's peak, from its own start (see common/memory.measured), the largest over ranks and steps.
     methods = sorted({key for row in rows for key in row if key.startswith("perf/peak_memory_gb/policy/")})
     worker = ", ".join(f"{key.rsplit('/', 1)[1]} {max(row[key] for row in rows):.2f}" for key in methods)
     return dict(step=mean.pop("step"), phases=mean, memory=f"driver {driver_gb:.2f} GB; a worker's, by method: {worker} GB")

@@ -69,7 +69,7 @@ def find_checkpoint(resume: str | None, runs_dir: str, run_prefix: str) -> Path 
 def check_config(checkpoint: Path, args, force: bool) -> None:
     """Refuse to resume a checkpoint made with other settings, unless forced.
 
-    A field of `args` whose metadata says `resumable` may differ (see common.run.flag).
+    A field of `args` whose metadata says `resumable` may differ (see common.args.flag).
     """
     saved = json.loads((checkpoint / "config.json").read_text())
     current = json.loads(json.dumps(dataclasses.asdict(args), default=str))

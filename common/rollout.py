@@ -448,7 +448,7 @@ def rollout_logprob_gap(batch: DataProto, bound: float) -> dict:
     """How far the engine's log-probs of its own samples are from the trainer's (`old_log_probs`), per token: mean
     and max. check_rollout_gap checks the samples generated from the weights the trainer holds (`staleness` 0, every
     one unless --max-staleness): those from older weights differ by the updates since, by design, and the probe after
-    each weight sync checks their engines instead (Run.next_rollouts)."""
+    each weight sync checks their engines instead (RolloutSupply.next_rollouts)."""
     mask = batch["response_mask"].bool()
     gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
     fresh = mask & (batch["staleness"] == 0)[:, None] if "staleness" in batch else mask
@@ -496,8 +496,8 @@ def check_rollout_gap(mean: float, bound: float) -> dict:
 
 def check_probe(version: int, trainer_probe: torch.Tensor, engine_probes: list[torch.Tensor], bound: float) -> dict:
     """The probe's log-probs under the weights of update `version`, as the trainer and as each rollout worker computes
-    them after receiving those weights (Run._send_weights): a mean gap above `bound` means an engine generates from
-    other weights, and stops the run as check_rollout_gap does."""
+    them after receiving those weights (common/rollout_workers.py, RolloutWorkers.send_weights): a mean gap above
+    `bound` means an engine generates from other weights, and stops the run as check_rollout_gap does."""
     gap = max((probe - trainer_probe).abs().mean().item() for probe in engine_probes)
     try:
         check_rollout_gap(gap, bound)

@@ -4,7 +4,7 @@ The engines (`common.workers.RolloutWorker`) run each call in the order it was m
 the driver mirrors theirs: new weights (the policy's rank 0 sends them from a copy, in a thread, see
 PolicyWorker.send_weights) and batches to generate. A batch asked after some weights is generated from them, and
 tagged with their version. After each weight sync every engine scores a probe that the trainer scored with the same
-weights: the log-prob guard for samples that come from older weights than the trainer's (see Run.next_rollouts).
+weights: the log-prob guard for samples that come from older weights than the trainer's (see RolloutSupply.next_rollouts).
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ import torch
 
 from common.data import collate
 from common.dataproto import DataProto
+from common.memory import record_peak_memory
 from common.rollout import check_probe, response_batch
-from common.workers import ResourcePool, RolloutWorker, WorkerGroup, record_peak_memory, wait_all
+from common.worker_group import ResourcePool, WorkerGroup, wait_all
+from common.workers import RolloutWorker
 
 LOG_PROB_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
 

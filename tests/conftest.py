@@ -39,7 +39,7 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def cpu_pool(ray_cluster):
     """Two CPU bundles that worker groups of the tests take in turn."""
-    from common.workers import ResourcePool
+    from common.worker_group import ResourcePool
 
     pool = ResourcePool(2, use_gpu=False, max_colocated=2)
     yield pool

@@ -8,7 +8,8 @@ from ray import cloudpickle
 
 import ppo_hybrid
 from common.data import collate, load_prompts
-from common.workers import PolicyWorker, WorkerGroup
+from common.worker_group import WorkerGroup
+from common.workers import PolicyWorker
 from test_workers import CriticProbe
 
 cloudpickle.register_pickle_by_value(ppo_hybrid)

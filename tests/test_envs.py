@@ -14,7 +14,7 @@ from common.data import collate
 from common.dataproto import DataProto
 from common.envs import ENV_CALLS, AnswerFraming, Calculator, call_env, load_env, run_episodes, stop_end
 from common.isolation import REPORTED_FAILURES, CallProcesses, InProcessCalls
-from common.workers import WorkerGroup
+from common.worker_group import WorkerGroup
 from test_workers import LOG_PROB_INPUTS, PolicyProbe
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

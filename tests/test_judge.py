@@ -13,7 +13,8 @@ from common.data import collate
 from common.dataproto import DataProto
 from common.judge import Judge, load_template, parse_verdict, probability_verdicts, question, question_ids, verdict_token_ids
 from common.rollout import response_batch
-from common.workers import JudgeWorker, WorkerGroup
+from common.worker_group import WorkerGroup
+from common.workers import JudgeWorker
 
 TEMPLATE_FILE = str(Path(__file__).resolve().parents[1] / "examples" / "judge" / "correct_answer.txt")  # the README's example
 TEMPLATE = load_template(TEMPLATE_FILE)

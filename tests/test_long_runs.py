@@ -17,7 +17,8 @@ from common.checkpoint import complete_checkpoints, find_checkpoint, save_checkp
 from common.dataproto import DataProto
 from common.isolation import InProcessCalls
 from common.rewards import REWARD_CALLS, score
-from common.workers import PolicyWorker, WorkerDied, WorkerGroup
+from common.worker_group import WorkerDied, WorkerGroup
+from common.workers import PolicyWorker
 from test_workers import PolicyProbe
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from common.dataproto import DataProto
-from common.workers import (
-    _response_log_probs,
+from common.layouts import (
     balanced_parts,
     chunked_log_probs,
     head_outputs_pass_through,
     pack_rows,
     part_loads,
+    response_log_probs,
     response_outputs,
     rows_of,
     same_prompts,
@@ -51,7 +51,7 @@ def test_packed_log_probs_entropies_gradients_and_step_equal_the_padded_ones(tin
         batch = uneven_batch(model.config.vocab_size)
         mask = batch["attention_mask"][:, 7:].bool()
         logits = response_outputs(model, batch, layout, language_model=True)
-        log_probs, entropy = _response_log_probs(logits, batch["responses"][mask], 1.0, with_entropy=True)
+        log_probs, entropy = response_log_probs(logits, batch["responses"][mask], 1.0, with_entropy=True)
         advantages = torch.linspace(-1, 1, int(mask.sum()))
         (-(log_probs * advantages).mean() - 0.01 * entropy.mean()).backward()
         gradients = {name: p.grad.clone() for name, p in model.named_parameters()}
@@ -146,7 +146,7 @@ def test_log_probs_in_chunks_equal_them_whole_and_never_hold_more_than_a_chunk_o
         results.append((log_probs, entropy, {name: p.grad for name, p in model.named_parameters()}, probe.rows))
     (log_probs, entropy, gradients, rows), (whole_log_probs, whole_entropy, whole_gradients, whole_rows) = results
     logits = response_outputs(model, batch, "shared prompts", True)
-    expected_log_probs, expected_entropy = _response_log_probs(logits, batch["responses"][mask], 0.7, with_entropy=True)
+    expected_log_probs, expected_entropy = response_log_probs(logits, batch["responses"][mask], 0.7, with_entropy=True)
     torch.testing.assert_close(whole_log_probs, expected_log_probs, rtol=0, atol=1e-6)
     torch.testing.assert_close(whole_entropy, expected_entropy, rtol=0, atol=1e-6)
     torch.testing.assert_close(log_probs, whole_log_probs, rtol=0, atol=1e-6)

@@ -8,7 +8,8 @@ import torch
 from test_scripts import SMALL_RUN, metrics_of, run_script
 
 from common.reward_model import combine, conversation_text, render_conversations, reward_model_batch
-from common.workers import RewardModelWorker, WorkerGroup
+from common.worker_group import WorkerGroup
+from common.workers import RewardModelWorker
 
 MESSAGES = [[{"role": "user", "content": f"{a}+{b}="}] for a, b in [(3, 4), (1, 2), (9, 9), (0, 5), (7, 1)]]
 RESPONSES = ["7", "3;maybe", "", "x" * 12, "8"]

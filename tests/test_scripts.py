@@ -184,6 +184,23 @@ def test_in_process_trains_as_one_ray_worker_does(ray_cluster, demo_files, tmp_p
             assert row[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
 
 
+def test_in_process_needs_no_ray(demo_files, tmp_path):
+    """--in-process imports Ray nowhere: the whole loop runs where `import ray` fails as it does without Ray installed."""
+    shadow = tmp_path / "without_ray" / "ray"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'ray'\", name='ray')\n")
+    without_ray = {"PYTHONPATH": os.pathsep.join([str(shadow.parent), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    ray_import = subprocess.run(
+        [sys.executable, "-c", "import ray"], env={**os.environ, **without_ray}, capture_output=True, text=True
+    )
+    assert "No module named 'ray'" in ray_import.stderr  # the installed Ray is out of reach
+    (tmp_path / "run").mkdir()
+    result = run_script("grpo_hybrid.py", *SMALL_RUN, "--in-process", cwd=tmp_path / "run", env=without_ray)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, rows = metrics_of(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+
+
 def test_dapo_dynamic_sampling_bound_is_a_clear_error(ray_cluster, demo_files, tmp_path):
     # near-greedy sampling makes every group unanimous, so no prompt survives the filter
     result = run_script(

@@ -15,7 +15,7 @@ import grpo_hybrid
 import ppo_hybrid
 from common.dataproto import DataProto
 from common.sequence_parallel import check_heads, head_shares
-from common.workers import ResourcePool, WorkerGroup
+from common.worker_group import ResourcePool, WorkerGroup
 from test_workers import CriticProbe, PolicyProbe
 
 cloudpickle.register_pickle_by_value(grpo_hybrid)

@@ -17,7 +17,8 @@ from ray import cloudpickle
 
 from common.checkpoint import complete_checkpoints
 from common.rollout import check_probe
-from common.workers import ResourcePool, RolloutWorker, WorkerGroup, wait_all
+from common.worker_group import ResourcePool, WorkerGroup, wait_all
+from common.workers import RolloutWorker
 from test_long_runs import TINY, metric_rows, start_script, wait_for_steps
 from test_long_runs import run_script as run_long
 from test_scripts import SMALL_RUN, VLLM_FP32, metrics_of, run_script

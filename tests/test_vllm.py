@@ -21,7 +21,7 @@ from common.envs import ENV_CALLS
 from common.isolation import InProcessCalls
 from common.rollout import MAX_NUM_SEQS, kv_cache_bytes, machine_memory_bytes, rollout_logprob_gap
 from common.weight_sync import engine_weights
-from common.workers import WorkerGroup
+from common.worker_group import WorkerGroup
 from test_envs import play, turns_of
 from test_scripts import SMALL_RUN, VLLM_FP32, metrics_of, run_script
 from test_workers import LOG_PROB_INPUTS, PolicyProbe

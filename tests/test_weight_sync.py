@@ -12,8 +12,9 @@ from ray import cloudpickle
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
+from common.fsdp_worker import attention_implementation
 from common.weight_sync import ADAPTER, engine_adapter, engine_weights
-from common.workers import WorkerGroup, attention_implementation
+from common.worker_group import WorkerGroup
 from test_workers import PolicyProbe, local_model
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

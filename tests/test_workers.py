@@ -14,8 +14,11 @@ import dapo_hybrid
 import grpo_hybrid
 from common.data import load_prompts
 from common.dataproto import DataProto
+from common.fsdp_worker import lr_factor
+from common.memory import measured
 from common.rollout import check_rollout
-from common.workers import CriticWorker, PolicyWorker, WorkerGroup, lr_factor, measured
+from common.worker_group import WorkerGroup
+from common.workers import CriticWorker, PolicyWorker
 
 # The loss travels to the workers by value, as it does from a script run as __main__; so do the probes below.
 cloudpickle.register_pickle_by_value(grpo_hybrid)

@@ -7,7 +7,8 @@ and flash-attention installed: `pytest tests/gpu`.
 import pytest
 import torch
 
-from common.workers import _response_log_probs, attention_implementation, response_outputs
+from common.fsdp_worker import attention_implementation
+from common.layouts import response_log_probs, response_outputs
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or attention_implementation(torch.device("cuda", 0)) != "flash_attention_2",
@@ -24,7 +25,7 @@ def test_one_packed_row_in_flash_attention_gives_the_padded_log_probs(tiny_model
     batch = uneven_batch(model.config.vocab_size).to("cuda")
     mask = batch["attention_mask"][:, 7:].bool()
     padded, packed = (
-        _response_log_probs(response_outputs(model, batch, layout, language_model=True), batch["responses"][mask], 1.0, False)[
+        response_log_probs(response_outputs(model, batch, layout, language_model=True), batch["responses"][mask], 1.0, False)[
             0
         ]
         for layout in ("padded", "one row")

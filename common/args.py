@@ -1,0 +1,282 @@
+"""The flags every script shares (`RunArgs`), how a field is marked (`flag`), and the rules they keep (`check_args`).
+
+A script's `Args` extends `RunArgs` with the algorithm's own flags.
+`flag(default, resumable=..., positive=...)` marks what a field may do:
+change when a run resumes, or must be above 0. A script marks its own
+fields the same way; nothing here names them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+
+def flag(default, *, resumable: bool = False, positive: bool = False):
+    """A field of Args with its default; `resumable`: may differ when the run resumes; `positive`: must be above 0
+    (when set, for an optional one)."""
+    return dataclasses.field(default=default, metadata={"resumable": resumable, "positive": positive})
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+@dataclass
+class RunArgs:
+    exp_name: str = os.path.basename(sys.argv[0]).removesuffix(".py")
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    track: bool = flag(False, resumable=True)
+    """log metrics and config to wandb"""
+    wandb_project_name: str = flag("hybridrl", resumable=True)
+    """the wandb project"""
+    wandb_entity: str | None = flag(None, resumable=True)
+    """the wandb entity (team)"""
+
+    model_path: str | None = None
+    """HF model folder or hub id; leave unset for the built-in demo (a tiny model on an addition task)"""
+    train_files: list[str] | None = None
+    """training prompts, verl-style parquet or jsonl files"""
+    val_files: list[str] | None = None
+    """validation prompts, same format; without them validation uses the training prompts"""
+    reward_fn: str | None = None
+    """your reward, `path/to/file.py:function_name`; by default a built-in reward per data_source"""
+    max_prompt_length: int = flag(512, positive=True)
+    """longest prompt in tokens; a longer one is an error unless --truncate-prompts"""
+    truncate_prompts: bool = False
+    """keep the last --max-prompt-length tokens of a longer prompt instead of stopping"""
+    max_response_length: int = flag(1024, positive=True)
+    """most tokens generated per response; with --env, most tokens of an episode (the model's and the environment's)"""
+    env: str | None = None
+    """multi-turn episodes: the environment that answers the model's turns, `path/to/file.py:ClassName` or a built-in
+    (calculator); its steps run isolated like rewards, under --reward-workers and --reward-timeout (see README)"""
+    max_turns: int = flag(4, positive=True)
+    """with --env: most model turns per episode"""
+
+    num_workers: int = flag(2, positive=True)
+    """policy processes, one per GPU (per CPU slot without GPUs)"""
+    in_process: bool = False
+    """debug mode: one worker inside this process, without Ray, so that breakpoint() in a loss, a reward or a worker
+    stops in this terminal (--num-workers is then 1)"""
+    rollout_engine: Literal["hf", "vllm"] = "hf"
+    """what generates rollouts: `hf`, transformers' generate on the policy itself; `vllm`, a vLLM engine in its process"""
+    rollout_workers: int = flag(0, resumable=True)
+    """0: the policy's own processes generate (the hybrid engine); N: N processes apart from the policy's, one
+    --rollout-engine each, to which the policy sends its weights after each update (split placement, see README)"""
+    max_staleness: int = flag(0, resumable=True)
+    """0: each step generates its batch from the policy as it is, then trains; K: the rollout workers generate the next
+    batches while the policy trains, from weights at most K updates older than the policy's (needs --rollout-workers;
+    the scripts' losses then correct for the older weights, see README)"""
+    rollout_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """with vllm: what the engine computes in (the trainer keeps fp32 weights; TIS corrects the gap)"""
+    rollout_gpu_memory_utilization: float = 0.5
+    """with vllm on GPUs: the share of each GPU's memory the engine takes for its weights and KV cache"""
+    lora_sync: Literal["auto", "adapter", "merged"] = "auto"
+    """with vllm and LoRA, what the engine receives after each update: the adapter alone, or the adapter merged into
+    every weight; `auto`: merged on CPUs, where vLLM's LoRA kernels cost more than the model itself, the adapter on GPUs"""
+    offload: bool = False
+    """with vllm: move the policy's weights and optimiser state to CPU memory while the engine generates"""
+    max_rollout_logprob_diff: float = flag(0.1, resumable=True)
+    """stop when the engine's log-probs of its samples differ from the trainer's by more than this per token (0: never)"""
+    temperature: float = 1.0
+    """sampling temperature, also applied to the logits when computing log-probs"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    top_k: int = 0
+    """top-k sampling, 0 disables"""
+
+    total_steps: int = flag(500, resumable=True, positive=True)
+    """training steps (one batch of prompts each)"""
+    train_batch_size: int = flag(32, positive=True)
+    """prompts per step"""
+    n: int = flag(8, positive=True)
+    """responses sampled per prompt"""
+    mini_batch_size: int = flag(32, positive=True)
+    """prompts per optimiser step; train-batch-size / mini-batch-size steps per batch"""
+    micro_batch_size: int = flag(8, positive=True, resumable=True)
+    """sequences per forward/backward on one worker (gradient accumulation beyond that)"""
+    micro_batch_tokens: int = flag(0, resumable=True)
+    """tokens (prompt and response, no padding) per forward/backward on one worker, as many sequences as fit, in place
+    of --micro-batch-size; at least --max-prompt-length + --max-response-length (0: count sequences instead)"""
+    ppo_epochs: int = flag(1, positive=True)
+    """passes over each batch"""
+    lr: float = 1e-6
+    """policy learning rate"""
+    lr_warmup_steps: int = 0
+    """linear learning-rate warm-up, in training steps"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """after the warm-up: keep --lr, or decay it along a cosine to 0 at --total-steps (a resumed run that raises
+    --total-steps follows the longer curve from there)"""
+    weight_decay: float = 0.01
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    compute_dtype: Literal["auto", "bfloat16", "float32"] = flag("auto", resumable=True)
+    """what the policy and the critic compute in (log-probs, the reference, updates, the hf engine), over fp32 master
+    weights: `auto` takes bfloat16 on GPUs and on CPUs that compute it natively (AVX512-BF16 or AMX), float32
+    elsewhere"""
+    gradient_checkpointing: bool = False
+    """recompute activations in backward to save memory"""
+    sequence_parallel: int = flag(1, positive=True, resumable=True)
+    """workers that split each sequence's tokens among them in the log-prob, reference, value and update passes, for
+    responses too long for one worker's memory (Ulysses: they swap tokens for heads around attention);
+    --num-workers must be a multiple of it, and the batch sizes split over --num-workers / it"""
+    log_prob_chunk_tokens: int = flag(1024, resumable=True)
+    """response tokens whose logits over the vocabulary exist at once in the log-prob, reference and update passes
+    (the update computes each chunk's again in backward); 0: all of a micro-batch's at once"""
+    lora_rank: int = 0
+    """LoRA rank; 0 trains every weight. With LoRA the reference is the model with its adapter disabled"""
+    lora_alpha: int = 16
+    """LoRA scaling numerator"""
+    lora_target_modules: str = "all-linear"
+    """modules that get an adapter"""
+
+    reward_workers: int | None = flag(None, resumable=True)
+    """processes that call the reward function, each on one response at a time, isolated from the run (default: one
+    per CPU core, at most 16); 0 calls it in this process, one response after another (the default with --in-process)"""
+    reward_timeout: float = flag(10.0, resumable=True)
+    """seconds a reward function may take for one response (an environment for one step) before it is stopped and
+    scores 0 (0: no limit)"""
+    max_reward_error_share: float = flag(0.5, resumable=True)
+    """stop when the reward function fails for more than this share of a batch's responses (1: never)"""
+    reward_model: str | None = None
+    """a reward model (a ...ForSequenceClassification folder with one label) that scores every response; a row whose
+    data source has a rule scores rule + --reward-model-coef x the model's score, a row without one the model's alone"""
+    reward_model_coef: float = 1.0
+    """weight of the reward model's (or the judge's) score beside a rule's"""
+    reward_model_workers: int = flag(0, resumable=True)
+    """0: the reward model (or the judge) shares the policy's accelerators (colocated); N: N workers of its own, apart"""
+    judge_model: str | None = None
+    """an LLM judge (a causal language model folder, or a short name) that scores every response as --judge-template
+    asks it; its score meets a rule's as --reward-model's does (see README)"""
+    judge_template: str | None = None
+    """with --judge-model: a text file holding the judge's question, with {prompt}, {response} and {ground_truth} in
+    it, that asks for a verdict, Yes or No"""
+    judge_mode: Literal["probability", "parsed"] = "probability"
+    """how a verdict becomes a score: `probability`, p(Yes) / (p(Yes) + p(No)) of the judge's next token; `parsed`,
+    1 or 0 for the first yes or no in the answer it writes on --rollout-engine (up to --judge-max-tokens)"""
+    judge_max_tokens: int = flag(32, positive=True)
+    """with --judge-mode parsed: the most tokens of the judge's answer"""
+    judge_max_prompt_length: int = flag(2048, positive=True)
+    """longest judge's question in the judge's tokens (the template filled in, in its chat template)"""
+    test_freq: int = flag(25, resumable=True, positive=True)
+    """validate every this many steps"""
+    val_before_train: bool = flag(True, resumable=True)
+    """validate once before the first step"""
+    val_batch_size: int = flag(256, resumable=True, positive=True)
+    """prompts per validation generate call"""
+    val_n: int = flag(1, resumable=True, positive=True)
+    """responses per validation prompt: 1 decodes greedily; more samples them for mean@n and pass@n"""
+    save_freq: int = flag(100, resumable=True, positive=True)
+    """save a checkpoint every this many steps, and always at the end"""
+    keep_last: int = flag(2, resumable=True)
+    """checkpoints to keep; older ones are deleted (0 keeps all)"""
+    resume: str | None = flag(None, resumable=True)
+    """`auto`: continue the newest complete checkpoint of this algorithm, exp-name and seed; or a step_<N> folder"""
+    force_resume: bool = flag(False, resumable=True)
+    """resume even from a checkpoint made with other settings"""
+    export_adapter_only: bool = flag(False, resumable=True)
+    """with LoRA, export only the adapter instead of the merged model"""
+    max_bad_steps: int = flag(3, resumable=True)
+    """stop after this many consecutive steps whose update was skipped for a NaN or inf gradient"""
+
+
+def check_args(args: RunArgs) -> None:
+    """Every rule the shared flags keep with each other, checked before anything is loaded: a ValueError that names
+    the flag and the rule it breaks. (What needs a file read, the data or the cluster is checked where it is read.)"""
+    from common.data import check_batch_sizes
+    from common.rollout import check_rollout
+
+    for field in dataclasses.fields(args):
+        value = getattr(args, field.name)
+        if field.metadata.get("positive") and value is not None and not value > 0:
+            raise ValueError(f"{flag_name(field.name)} is {value}; it must be above 0")
+    num_workers = 1 if args.in_process else args.num_workers
+    if num_workers % args.sequence_parallel:
+        raise ValueError(
+            f"--sequence-parallel {args.sequence_parallel} does not divide --num-workers {num_workers} into groups of "
+            "workers; change one of them"
+        )
+    check_batch_sizes(args.train_batch_size, args.mini_batch_size, args.n, num_workers, args.sequence_parallel)
+    check_rollout(args.rollout_engine, args.temperature, args.top_p, args.top_k, args.lora_sync, args.offload)
+    longest = args.max_prompt_length + args.max_response_length
+    if args.log_prob_chunk_tokens < 0:
+        raise ValueError(f"--log-prob-chunk-tokens is {args.log_prob_chunk_tokens}; use 0 for all at once, or more")
+    if args.micro_batch_tokens < 0:
+        raise ValueError(f"--micro-batch-tokens is {args.micro_batch_tokens}; use 0 to count sequences, or more")
+    if args.micro_batch_tokens > 0 and longest > args.micro_batch_tokens:
+        raise ValueError(
+            f"--micro-batch-tokens {args.micro_batch_tokens} cannot hold one sequence of --max-prompt-length + "
+            f"--max-response-length = {longest} tokens; raise it, or use 0 to count sequences with --micro-batch-size"
+        )
+    if args.rollout_workers < 0 or (args.rollout_workers and args.in_process):
+        raise ValueError(
+            f"--rollout-workers is {args.rollout_workers}; use 0 for the policy's own processes to generate (the only "
+            "choice with --in-process), or more for engines apart from them"
+        )
+    if args.max_staleness < 0 or (args.max_staleness and not args.rollout_workers):
+        raise ValueError(
+            f"--max-staleness is {args.max_staleness}: above 0, the engines generate while the policy trains, which "
+            "needs engines apart from the policy's processes (--rollout-workers 1 or more); 0 is the synchronous loop"
+        )
+    if args.max_staleness and args.env:
+        raise ValueError(
+            "--env runs episodes turn by turn with the environment, a batch at a time: drop --max-staleness (the "
+            "engines apart, --rollout-workers, still generate them)"
+        )
+    if args.rollout_workers and args.offload:
+        raise ValueError("--offload makes room for an engine in the policy's processes: drop it with --rollout-workers")
+    if args.reward_workers is not None and args.reward_workers < 0:
+        raise ValueError(f"--reward-workers is {args.reward_workers}; use 0 to score in this process, or more")
+    if args.judge_model is not None and (args.reward_model is not None or args.judge_template is None):
+        raise ValueError(
+            "--judge-model needs --judge-template (the question it answers), and takes the place of --reward-model: "
+            "pass one of the two"
+        )
+    if args.judge_template is not None and args.judge_model is None:
+        raise ValueError("--judge-template is the question of an LLM judge: pass --judge-model too")
+    if args.reward_model_workers < 0 or (args.reward_model_workers and args.in_process):
+        raise ValueError(
+            f"--reward-model-workers is {args.reward_model_workers}; use 0 to share the policy's accelerators (the "
+            "only choice with --in-process), or more to place the reward model apart"
+        )
+    if not args.train_files:
+        raise ValueError("--train-files is missing: name the prompt files to train on (verl-style parquet or jsonl)")
+
+
+def load_tokenizer(model_path: str, flag: str = "--model-path"):
+    """The tokenizer of a model folder or hub id, with a message that names `flag` and says what is missing."""
+    from transformers import AutoTokenizer
+
+    path = Path(model_path)
+    if path.exists() or model_path.startswith((".", "/", "~")) or model_path.count("/") > 1:
+        if not path.is_dir():
+            raise ValueError(f"{flag} {model_path}: no such folder; pass a Hugging Face model folder or hub id")
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{flag} {model_path}: no config.json in it; pass a folder saved by save_pretrained")
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{flag} {model_path}: no tokenizer could be loaded from it ({error})") from error
+
+
+def check_reward_model(path: str) -> None:
+    """Fail before any worker starts when --reward-model is no sequence-classification model with one label."""
+    import json
+
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return  # a hub id: the worker's own check says what is wrong
+    config = json.loads(config_file.read_text())
+    architectures, labels = config.get("architectures") or [], len(config.get("id2label") or {0: ""})
+    if not any(name.endswith("ForSequenceClassification") for name in architectures) or labels != 1:
+        raise ValueError(
+            f"--reward-model {path}: its config.json names {architectures or 'no architecture'} with {labels} labels; a "
+            "reward model is a ...ForSequenceClassification with one label (num_labels=1), one score per sequence"
+        )

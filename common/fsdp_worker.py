@@ -1,0 +1,365 @@
+"""The FSDP2 worker: what the policy, the critic and the scoring models share (common/workers.py).
+
+Each rank joins the group's torch.distributed group, loads the model in fp32 (with a LoRA adapter if asked), shards
+it with FSDP2 over the ranks, and computes in bf16 or fp32 over those master weights. It runs a pass over a batch in
+micro-batches laid out as common/layouts.py packs them, and updates with a loss that arrives from the script as a
+plain function: it knows no algorithm.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import defaultdict
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from common.dataproto import DataProto
+from common.layouts import Layout, balanced_parts, part_loads, response_outputs
+from common.rollout import machine_memory_bytes
+from common.sequence_parallel import register as register_sequence_parallel
+from common.worker_group import Worker
+
+
+def lr_factor(update: int, warmup_steps: int, decay_steps: int) -> float:
+    """The learning rate of the update numbered `update` (from 0), as a share of the peak: a linear rise over
+    `warmup_steps` updates, then a cosine from 1 to 0 over `decay_steps` updates (constant 1 without them)."""
+    if update < warmup_steps:
+        return (update + 1) / warmup_steps
+    if not decay_steps:
+        return 1.0
+    progress = min(1.0, (update - warmup_steps) / decay_steps)
+    return 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class FSDPWorker(Worker):
+    """What the policy and the critic share: distributed setup, FSDP2 sharding, optimisation."""
+
+    language_model = True  # its output is logits over the vocabulary (see response_outputs)
+    packs = True  # its micro-batches may be packed (response_outputs), where the model keeps packed sequences apart
+    # FSDP gathers each unit's parameters before its forward and backward and scatters its gradients after: a unit per
+    # decoder layer keeps one layer whole at a time. A collective of under a million parameters (4 MB in fp32) costs its
+    # latency, not its size, so consecutive layers smaller than that share a unit until it holds that many.
+    min_unit_params = 1_000_000
+    # What a sequence-parallel group's ranks run together, each on a share of the same micro-batches' tokens.
+    sequence_parallel_methods = ("compute_log_prob", "compute_ref_log_prob", "compute_values", "update")
+
+    def setup(
+        self,
+        master,
+        model_path: str,
+        epochs: int = 1,
+        mini_batch_size: int | None = None,
+        micro_batch_size: int = 8,
+        micro_batch_tokens: int = 0,
+        seed: int = 1,
+        lr: float = 1e-6,
+        weight_decay: float = 0.0,
+        lr_warmup_steps: int = 0,
+        lr_decay_steps: int = 0,
+        max_grad_norm: float = 1.0,
+        gradient_checkpointing: bool = False,
+        lora_rank: int = 0,
+        lora_alpha: int = 16,
+        lora_target_modules: str = "all-linear",
+        compute_dtype: str = "float32",
+        replicate_frozen: bool | None = None,
+        sequence_parallel: int = 1,
+    ) -> None:
+        """Join the process group, load the model (with a LoRA adapter if asked), shard it, build its optimiser.
+
+        Forwards and backwards compute in `compute_dtype` over fp32 master weights (see compute_dtype_for). With LoRA
+        the frozen base weights are whole on every rank, in the compute dtype, when `replicate_frozen` (default: when
+        they fit, see frozen_weights_fit): they never change, so there is nothing to gather before each forward and
+        backward nor to scatter after it.
+
+        An update makes `epochs` passes over its batch, one optimiser step per `mini_batch_size` sequences (over all
+        ranks; default the whole batch); every forward and backward takes at most `micro_batch_size` sequences, or with
+        `micro_batch_tokens` as many sequences as fit in that many tokens (see micro_batches). The learning rate rises
+        linearly over `lr_warmup_steps` updates, then (with `lr_decay_steps`) falls to 0 along a cosine over that many
+        more. With `sequence_parallel` N, each N ranks in a row split the same micro-batches' tokens among them (see
+        common/sequence_parallel.py), and `mini_batch_size` counts over the world size / N data-parallel groups."""
+        self.compute_dtype = compute_dtype_for(compute_dtype, self.device)
+        self._init_distributed(master, seed, sequence_parallel)
+        self.model_path, self.max_grad_norm, self.lora = model_path, max_grad_norm, lora_rank > 0
+        self.epochs, self.mini_batch_size, self.micro_batch_size = epochs, mini_batch_size, micro_batch_size
+        self.micro_batch_tokens = micro_batch_tokens
+        self.lora_settings = (lora_rank, lora_alpha, lora_target_modules)
+        model = self._load(model_path)
+        self.layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.lora:
+            model = self._add_lora(model)
+        frozen = {p for p in model.parameters() if not p.requires_grad} if self.lora else set()
+        if replicate_frozen is None:
+            replicate_frozen = frozen_weights_fit(frozen, self.compute_dtype, self.device, self.world_size)
+        self.model = self._shard(model, replicated=frozen if replicate_frozen else set())
+        self._build_optimizer(lr, weight_decay, lr_warmup_steps, lr_decay_steps)
+        packings = ["one row"] if self.attention == "flash_attention_2" else ["shared prompts", "rows"]
+        self.layout = next((packing for packing in packings if self.packs and self._packs_exactly(packing)), "padded")
+        if self.rank == 0:
+            packs = self.layout != "padded" or not self.packs
+            layout = "" if packs else " (this model's attention lets packed sequences see each other)"
+            frozen_layout = f", frozen weights: {'replicated' if replicate_frozen else 'sharded'}" if self.lora else ""
+            split = f", sequence parallel: {self.sequence_parallel}" if self.sequence_group is not None else ""
+            print(
+                f"{type(self).__name__}: {self.world_size} x {self.device.type}, compute: {self.compute_dtype}, "
+                f"attention: {self.attention}, "
+                f"micro-batches: {self.layout}{layout}{frozen_layout}{split}"
+            )
+
+    def _init_distributed(self, master: tuple[str, int], seed: int, sequence_parallel: int = 1) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            if self.compute_dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+                raise ValueError(f"{torch.cuda.get_device_name()} has no bf16: pass --compute-dtype float32")
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        addr, port = master
+        if not dist.is_initialized():
+            dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world_size)
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))  # FSDP shards over every rank
+        self.attention = attention_implementation(self.device) if self.compute_dtype == torch.bfloat16 else "sdpa"
+        self.sequence_parallel, self.sequence_group = sequence_parallel, None
+        if sequence_parallel > 1:
+            if self.world_size % sequence_parallel:
+                raise ValueError(f"{self.world_size} ranks do not split into sequence-parallel groups of {sequence_parallel}")
+            # The ranks as a grid: a row is a sequence-parallel group, a column a data-parallel one.
+            shape = (self.world_size // sequence_parallel, sequence_parallel)
+            grid = init_device_mesh(self.device.type, shape, mesh_dim_names=("data", "sequence"))
+            self.sequence_group, self.attention = grid["sequence"].get_group(), register_sequence_parallel()
+        torch.manual_seed(seed + self.rank)
+        np.random.seed(seed + self.rank)
+
+    def _load(self, model_path: str):
+        # fp32 master weights; FSDP2 casts them to the compute dtype as it gathers them.
+        model = self._from_pretrained(model_path, dtype=torch.float32, attn_implementation=self.attention)
+        # RL compares log-probs of the same tokens across passes: dropout would make
+        # the first importance ratio differ from 1.
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        return model
+
+    def _shard(self, model, offload: bool = False, replicated: set[torch.nn.Parameter] = frozenset()):
+        """FSDP2 over the worker group's ranks, a unit per decoder layer (or several small ones), the rest in the root.
+        The `replicated` parameters (frozen) stay whole on every rank, in the compute dtype, outside FSDP."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        on_gpu = self.device.type == "cuda"
+        for param in replicated:
+            param.data = param.data.to(self.device, self.compute_dtype)
+        mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        options = dict(
+            mesh=self.mesh,
+            mp_policy=mp,
+            offload_policy=CPUOffloadPolicy() if offload and on_gpu else OffloadPolicy(),
+            ignored_params=set(replicated),
+        )
+        layers, size = [], 0
+        for module in list(model.modules()):
+            if type(module).__name__ in self.layer_classes:
+                layers.append(module)
+                size += sum(p.numel() for p in module.parameters())
+                if size >= self.min_unit_params:
+                    fully_shard(layers, **options)
+                    layers, size = [], 0
+        fully_shard(model, **options)  # the root: embeddings, norm and head, with the layers left over
+        return model
+
+    def _build_optimizer(self, lr: float, weight_decay: float, warmup_steps: int, decay_steps: int) -> None:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        # foreach: one call per step for all parameters; on the CPU torch would loop over them, each op a DTensor's
+        self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(step, warmup_steps, decay_steps)
+        )
+
+    def _all_reduce_sum(self, values: list[float]) -> list[float]:
+        """The sum over data-parallel groups of each of `values` (the ranks of a sequence-parallel group hold the same)."""
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor)
+        return (tensor / self.sequence_parallel).tolist()
+
+    @torch.no_grad()
+    def _packs_exactly(self, packing: Layout) -> bool:
+        """Whether packed micro-batches give this model's padded outputs (transformers keeps packed sequences apart
+        for most models): three made-up sequences that share a packed row, two of them a prompt, both ways, in the
+        precision it trains in."""
+        self.model.eval()
+        ids = torch.randint(self.model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(0))
+        ids[2, :6] = ids[0, :6]
+        attention_mask = torch.tensor([[0] * 4 + [1] * 5 + [0] * 3, [0] * 3 + [1] * 6 + [0] * 3, [0] * 4 + [1] * 7 + [0]])
+        micro = DataProto.from_dict(
+            {
+                "input_ids": ids * attention_mask,
+                "attention_mask": attention_mask,
+                "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+                "responses": ids[:, 6:],
+            }
+        ).to(self.device)
+        padded, packed = (
+            response_outputs(self.model, micro, p, self.language_model, sequence_group=self.sequence_group).float()
+            for p in ("padded", packing)
+        )
+        if self.language_model:
+            padded, packed = torch.log_softmax(padded, -1), torch.log_softmax(packed, -1)
+        return (padded - packed).abs().max().item() <= (1e-4 if self.compute_dtype == torch.float32 else 5e-2)
+
+    def micro_batches(self, data: DataProto) -> list[np.ndarray]:
+        """The rows of each micro-batch of `data`: `micro_batch_size` rows at a time, or with `micro_batch_tokens`, the
+        fewest micro-batches of at most that many tokens each, balanced by tokens (balanced_parts). Every rank takes
+        as many micro-batches as the rank that needs most: FSDP's collectives run once per forward on every rank."""
+        if not self.micro_batch_tokens:
+            return [
+                np.arange(i, min(i + self.micro_batch_size, len(data))) for i in range(0, len(data), self.micro_batch_size)
+            ]
+        lengths = data["attention_mask"].sum(-1).tolist()
+        count = math.ceil(sum(lengths) / self.micro_batch_tokens)
+        while count < len(lengths) and max(part_loads(lengths, balanced_parts(lengths, count))) > self.micro_batch_tokens:
+            count += 1
+        return balanced_parts(lengths, int(self._all_reduce_max(count)))
+
+    def _in_micro_batches(self, data: DataProto, forward) -> list[torch.Tensor | None]:
+        """`forward(micro_batch)`'s tensors (or Nones) for each micro-batch of `data`, each put together on the CPU in
+        the rows' order (micro_batches deals them out of it)."""
+        parts = self.micro_batches(data)
+        outputs = [forward(data[rows].to(self.device)) for rows in parts]
+        order = np.argsort(np.concatenate(parts))
+        return [None if pieces[0] is None else torch.cat([piece.cpu() for piece in pieces])[order] for pieces in zip(*outputs)]
+
+    def _update(self, data: DataProto, loss_fn, forward) -> dict:
+        """Epochs x mini-batches x micro-batches; one optimiser step per mini-batch.
+
+        `loss_fn(micro_batch, outputs, minibatch_tokens=..., minibatch_seqs=...)` returns (loss, metrics) as this
+        micro-batch's share of the mini-batch (the contract is `agg_loss`'s, in the scripts): this only sums the
+        shares, all-reduces them over ranks and steps.
+        """
+        self.model.train()
+        per_rank = self.mini_batch_size * self.sequence_parallel // self.world_size if self.mini_batch_size else len(data)
+        minis = data.split(per_rank)
+        # Every mini-batch's counts over all ranks in one collective: on the CPU each one costs as much as a forward.
+        counts = self._all_reduce_sum([c for mini in minis for c in (mini["response_mask"].sum().item(), len(mini))])
+        history, all_shares = defaultdict(list), []
+        for _ in range(self.epochs):
+            for mini, tokens, seqs in zip(minis, counts[::2], counts[1::2]):
+                shares = defaultdict(float)
+                for rows in self.micro_batches(mini):
+                    micro = mini[rows].to(self.device)
+                    loss, metrics = loss_fn(micro, forward(micro), minibatch_tokens=tokens, minibatch_seqs=seqs)
+                    # FSDP averages gradients over ranks; the loss shares add up instead. (The ranks of a
+                    # sequence-parallel group compute the same loss, each backward through its own tokens only.)
+                    (loss * self.world_size).backward()
+                    shares["loss"] += loss.item()
+                    for key, value in metrics.items():
+                        shares[key] += float(value)
+                all_shares.append(shares)
+                grad_norm = self._clip_grad_norm()
+                if math.isfinite(grad_norm):
+                    self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                history["grad_norm"].append(grad_norm)
+                history["skipped_updates"].append(float(not math.isfinite(grad_norm)))
+        self.scheduler.step()
+        keys = sorted(all_shares[0])
+        summed = self._all_reduce_sum([shares[key] for shares in all_shares for key in keys])  # each mini-batch's sums
+        for i, key in enumerate(keys):
+            history[key] = summed[i :: len(keys)]
+        metrics = {key: float(np.mean(values)) for key, values in history.items()}
+        metrics["skipped_updates"] = float(np.sum(history["skipped_updates"]))
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        return metrics
+
+    def _all_reduce_max(self, value: float) -> float:
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.item()
+
+    def _clip_grad_norm(self) -> float:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return norm.item()
+
+    def save(self, path: str) -> None:
+        """Sharded weights, optimiser, schedule and RNG of every rank, for a later resume."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        self.model.reshard()
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        dcp.save(
+            {"model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict()}, checkpoint_id=path
+        )
+        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state()
+        torch.save(rng, os.path.join(path, f"rng_rank{self.rank}.pt"))
+
+    def load(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optimizer": optim_state, "scheduler": self.scheduler.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        rng = torch.load(os.path.join(path, f"rng_rank{self.rank}.pt"), weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        if "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"])
+
+
+def compute_dtype_for(name: str, device: torch.device) -> torch.dtype:
+    """`name` as a dtype; "auto": bf16 where the hardware computes it natively (GPUs, CPUs with AVX512-BF16 or AMX),
+    and fp32 elsewhere, where bf16 is emulated."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16
+    native = getattr(torch.cpu, "_is_avx512_bf16_supported", bool)() or getattr(torch.cpu, "_is_amx_tile_supported", bool)()
+    return torch.bfloat16 if native else torch.float32
+
+
+def frozen_weights_fit(frozen: set[torch.nn.Parameter], dtype: torch.dtype, device: torch.device, workers: int) -> bool:
+    """Whether whole copies of the frozen weights take at most a quarter of the memory: a GPU's own, or on the CPU
+    the machine's, shared by its `workers`. The rest is for the engine, activations, the optimiser and the driver."""
+    size = sum(p.numel() for p in frozen) * dtype.itemsize
+    if device.type == "cuda":
+        return size <= torch.cuda.get_device_properties(device).total_memory / 4
+    return size * workers <= machine_memory_bytes() / 4
+
+
+def attention_implementation(device: torch.device) -> str:
+    """flash-attention 2 where its kernel loads and the GPU runs it (Ampere or newer), SDPA otherwise."""
+    from transformers.utils import is_flash_attn_2_available
+
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 8 or not is_flash_attn_2_available():
+        return "sdpa"
+    try:  # the compiled kernel: a build against another torch fails to load here, not at install
+        import flash_attn_2_cuda  # noqa: F401
+    except ImportError:
+        return "sdpa"
+    return "flash_attention_2"
+
+
+def lora_model(model, rank: int, alpha: int, target_modules: str, task_type: str, modules_to_save: list[str] | None = None):
+    """`model` with a LoRA adapter of `rank` on `target_modules`; `modules_to_save` train in full beside it."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=target_modules,
+        lora_dropout=0.0,
+        task_type=task_type,
+        modules_to_save=modules_to_save,
+    )
+    return get_peft_model(model, config)

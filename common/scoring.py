@@ -1,0 +1,163 @@
+"""What scores a response, behind one `Scorer`: the rule (common/rewards.py, the user's --reward-fn or a built-in, in
+isolated processes), and with --reward-model or --judge-model a model's score beside it (common/reward_model.py,
+common/judge.py), which runs on a worker group of its own."""
+
+from __future__ import annotations
+
+from common.args import check_reward_model, load_tokenizer
+
+
+class Scorer:
+    """The run's scorers, loaded and checked when made (the reward function, the model's tokenizer, the judge's
+    template), before any worker starts; `start` starts their processes and the model's group. `tokenizer`: the
+    policy's, which decodes the responses."""
+
+    def __init__(self, args, tokenizer):
+        from common.pretrained import resolve as resolve_model
+        from common.rewards import load_reward_fn
+
+        self.args, self.tokenizer = args, tokenizer
+        self.by_model = args.reward_model is not None or args.judge_model is not None
+        if args.reward_model is not None:
+            args.reward_model = resolve_model(args.reward_model)
+            self.reward_model_tokenizer = load_tokenizer(args.reward_model, "--reward-model")
+            check_reward_model(args.reward_model)
+        if args.judge_model is not None:
+            from common.judge import load_template, verdict_token_ids  # here: the module imports torch
+
+            args.judge_model = resolve_model(args.judge_model)
+            self.judge_tokenizer = load_tokenizer(args.judge_model, "--judge-model")
+            self.judge_template = load_template(args.judge_template)
+            if args.judge_mode == "probability":
+                verdict_token_ids(self.judge_tokenizer, args.judge_model)
+        self.reward_fn = load_reward_fn(args.reward_fn)
+        # what start() starts: the rule's calls, the model's group, and its own accelerators (--reward-model-workers)
+        self.rewards, self.reward_model, self.judge, self.pool = None, None, None, None
+
+    def check_prompts(self, train_data, val_data) -> None:
+        """Fail before any worker starts on a data source that no rule scores (unless a model scores every row), or on
+        a judge's question longer than --judge-max-prompt-length."""
+        from common.rewards import check_data_sources
+
+        args = self.args
+        if not self.by_model:  # else rows without a rule are the model's alone
+            check_data_sources(train_data, self.reward_fn)
+            if val_data is not train_data:
+                check_data_sources(val_data, self.reward_fn)
+        if args.judge_model is not None:
+            from common.judge import check_question_length
+
+            truths = [*train_data["ground_truth"], *val_data["ground_truth"]]
+            longest = args.max_prompt_length + args.max_response_length
+            check_question_length(self.judge_template, self.judge_tokenizer, truths, longest, args.judge_max_prompt_length)
+
+    def start(self, pool, reward_workers: int) -> None:
+        """The rule's processes (`reward_workers`; 0: calls in this process), and the reward model's group or the
+        judge's: on the run's accelerators (`pool`), on --reward-model-workers of its own, or in this process (`pool`
+        None). It scores and never trains, so no checkpoint holds it."""
+        from common.isolation import CallProcesses, InProcessCalls
+        from common.rewards import REWARD_CALLS
+
+        args = self.args
+        if reward_workers:
+            self.rewards = CallProcesses(args.reward_fn, reward_workers, REWARD_CALLS, args.reward_timeout)
+        else:
+            self.rewards = InProcessCalls(self.reward_fn, args.reward_fn, REWARD_CALLS, args.reward_timeout)
+        if self.by_model:
+            self._start_model(pool)
+
+    def _start_model(self, pool) -> None:
+        from common.judge import Judge
+        from common.worker_group import ResourcePool, WorkerGroup
+        from common.workers import JudgeWorker, RewardModelWorker
+
+        args = self.args
+        if args.reward_model_workers:
+            self.pool = pool = ResourcePool(args.reward_model_workers, pool.use_gpu)
+        model = dict(
+            micro_batch_size=args.micro_batch_size,
+            micro_batch_tokens=args.micro_batch_tokens,
+            seed=args.seed,
+            compute_dtype=args.compute_dtype,
+        )
+        if args.reward_model is not None:
+            self.reward_model = WorkerGroup(RewardModelWorker, pool, "reward_model", model_path=args.reward_model, **model)
+            return
+        engine = dict(
+            rollout_engine=args.rollout_engine,
+            rollout_dtype=args.rollout_dtype,
+            rollout_gpu_memory_utilization=args.rollout_gpu_memory_utilization,
+            max_model_len=args.judge_max_prompt_length + args.judge_max_tokens,
+            temperature=1.0,
+        )
+        group = WorkerGroup(JudgeWorker, pool, "judge", model_path=args.judge_model, **model, **engine)
+        self.judge = Judge(
+            group,
+            self.judge_tokenizer,
+            self.judge_template,
+            args.judge_mode,
+            args.judge_max_tokens,
+            args.judge_max_prompt_length,
+            args.judge_model,
+        )
+
+    def groups(self) -> dict:
+        """The model's worker group by name, if a model scores."""
+        if self.judge is not None:
+            return {"judge": self.judge.group}
+        return {"reward_model": self.reward_model} if self.reward_model is not None else {}
+
+    def score(self, batch, metrics: dict):
+        """One score per response of `batch` (see score_texts); the reward's error and timeout counts are added to
+        `metrics`, the other keys go to `batch["reward_extra"]` (logged as `reward/<key>` by Run.end_step)."""
+        import torch
+
+        from common.rewards import response_texts
+
+        scores, counts, batch["reward_extra"] = self.score_texts(response_texts(batch, self.tokenizer), batch)
+        for key, value in counts.items():
+            metrics[key] = metrics.get(key, 0) + value
+        return torch.tensor(scores, dtype=torch.float32)
+
+    def score_texts(self, texts: list[str], batch) -> tuple[list[float], dict, list[dict]]:
+        """Each response's score, the reward's error and timeout counts, and per response the keys beside its score:
+        the rule's (common/rewards.py), or with --reward-model (--judge-model) the rule's and the model's as
+        common/reward_model.py combines them, the model's under `model` (`judge`) and the rule's under `rule`."""
+        import numpy as np
+
+        from common.reward_model import combine, render_conversations, reward_model_batch
+        from common.rewards import has_rule, score_texts
+
+        args = self.args
+        if self.reward_model is None and self.judge is None:
+            return score_texts(texts, batch, self.rewards, args.max_reward_error_share)
+        ruled = np.array([i for i, source in enumerate(batch["data_source"]) if has_rule(source, self.reward_fn)])
+        rule_scores, counts, rule_extras = [], {"reward/errors": 0, "reward/timeouts": 0}, []
+        if len(ruled):
+            ruled_texts = [texts[i] for i in ruled]
+            rule_scores, counts, rule_extras = score_texts(
+                ruled_texts, batch[ruled], self.rewards, args.max_reward_error_share
+            )
+        if self.judge is not None:
+            key = "judge"
+            model_scores, counts["reward/judge_failures"] = self.judge.score(
+                batch["prompt_messages"], texts, batch["ground_truth"], args.max_reward_error_share
+            )
+        else:
+            key, tokenizer = "model", self.reward_model_tokenizer
+            conversations = render_conversations(batch["prompt_messages"], texts, tokenizer)
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+            rm_batch = reward_model_batch(conversations, pad)
+            model_scores = self.reward_model.scatter("compute_rm_score", rm_batch)["rm_scores"].tolist()
+        extras = [{key: score} for score in model_scores]
+        for i, rule, extra in zip(ruled, rule_scores, rule_extras):
+            extras[i] = extra | {key: model_scores[i], "rule": rule}
+        return combine(dict(zip(ruled.tolist(), rule_scores)), model_scores, args.reward_model_coef), counts, extras
+
+    def close(self) -> None:
+        """Stop the rule's processes and the model's group, and give its accelerators back."""
+        self.rewards.close()
+        for group in self.groups().values():
+            group.shutdown()
+        if self.pool is not None:
+            self.pool.shutdown()
