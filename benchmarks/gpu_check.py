@@ -92,7 +92,9 @@ def peak_tflops(device: torch.device) -> float | None:
 def flops_per_token(config, sequence_length: int, lora: bool) -> float:
     """Model FLOPs of one trained token (see the module's docstring)."""
     layer = config.hidden_size * (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
-    layer += config.num_attention_heads * config.head_dim * config.hidden_size + 3 * config.hidden_size * config.intermediate_size
+    layer += (
+        config.num_attention_heads * config.head_dim * config.hidden_size + 3 * config.hidden_size * config.intermediate_size
+    )
     weights = config.num_hidden_layers * layer + config.hidden_size * config.vocab_size
     attention = 6 * config.num_hidden_layers * sequence_length * config.num_attention_heads * config.head_dim
     return (4 if lora else 6) * weights + attention

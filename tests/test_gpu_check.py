@@ -36,7 +36,7 @@ def test_gpu_check_dry_run_prints_its_table(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     table = result.stdout[result.stdout.index("device: CPU") :]
     assert f"torch {torch.__version__}" in table and "attention: sdpa" in table
-    rows = [line for line in table.splitlines() if line.startswith("| update") or line.startswith("| generate")]
+    rows = [line for line in table.splitlines() if line.startswith(("| update", "| generate"))]
     assert len(rows) == 7  # LoRA and full at two micro-batch sizes, generation at three batch sizes
     for row in rows:
         tokens_per_s, mfu, peak_gb = (cell.strip() for cell in row.split("|")[2:5])
