@@ -167,8 +167,10 @@ def measure_generation(worker: PolicyWorker, sequences: int, prompt: int, respon
 
 def run_tests() -> str:
     """`pytest tests/gpu`'s summary line; its whole output goes to this one's."""
+    start = time.perf_counter()
     result = subprocess.run([sys.executable, "-m", "pytest", "tests/gpu", "-q", "-p", "no:cacheprovider"], cwd=ROOT)
-    return f"pytest tests/gpu: {'passed' if result.returncode == 0 else f'FAILED (exit {result.returncode})'}"
+    outcome = "passed" if result.returncode == 0 else f"FAILED (exit {result.returncode})"
+    return f"pytest tests/gpu: {outcome} in {time.perf_counter() - start:.0f} s"
 
 
 def measure(device: torch.device, model_path: str) -> tuple[list[tuple[str, dict]], str]:

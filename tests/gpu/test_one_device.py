@@ -107,7 +107,7 @@ def test_lora_reference_is_the_base_model_with_its_adapter_disabled(device, tiny
         mask, inputs = batch["response_mask"].bool(), batch.select(*LOG_PROB_INPUTS)
         base = fp32_log_probs(tiny_model, batch, device)
         for _ in range(3):
-            torch.testing.assert_close(worker.compute_ref_log_prob(inputs)["ref_log_probs"], base, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(worker.compute_ref_log_prob(inputs)["ref_log_probs"], base, rtol=1e-5, atol=1e-4)
             grpo_update(worker, batch)
         assert (worker.compute_log_prob(inputs)["old_log_probs"] - base)[mask].abs().max() > 1e-3
 
@@ -121,7 +121,7 @@ def test_reference_lives_in_host_memory_and_computes_on_the_device(device, tiny_
         base = fp32_log_probs(tiny_model, batch, device)
         for _ in range(2):
             assert {p.device.type for p in worker.reference.parameters()} == {"cpu"}
-            torch.testing.assert_close(worker.compute_ref_log_prob(inputs)["ref_log_probs"], base, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(worker.compute_ref_log_prob(inputs)["ref_log_probs"], base, rtol=1e-5, atol=1e-4)
             grpo_update(worker, batch)
         assert {p.device.type for p in worker.model.parameters()} == {device}
         assert (worker.compute_log_prob(inputs)["old_log_probs"] - base)[mask].abs().max() > 1e-3
