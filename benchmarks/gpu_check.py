@@ -173,6 +173,17 @@ def run_tests() -> str:
     return f"pytest tests/gpu: {outcome} in {time.perf_counter() - start:.0f} s"
 
 
+def attempt(measurement, worker: PolicyWorker, *args) -> dict:
+    """`measurement`'s row, or one that says the GPU ran out of memory, so that the rows after it still run."""
+    try:
+        return measurement(worker, *args)
+    except torch.OutOfMemoryError:
+        worker.optimizer.zero_grad(set_to_none=True)
+        peak_gb = torch.cuda.max_memory_allocated(worker.device) / 2**30
+        torch.cuda.empty_cache()
+        return dict(tokens_per_s=None, mfu=None, peak_gb=peak_gb)
+
+
 def measure(device: torch.device, model_path: str) -> tuple[list[tuple[str, dict]], str]:
     """Each row of the table (the update's at each micro-batch size, LoRA then full, then generation's), and the
     attention kernel with the micro-batches' layout."""
@@ -183,12 +194,12 @@ def measure(device: torch.device, model_path: str) -> tuple[list[tuple[str, dict
         worker = policy_on(device, model_path, lora_rank)
         name = f"update, LoRA r{lora_rank}" if lora_rank else "update, full"
         for tokens in sizes["micro_batch_tokens"]:
-            result = measure_update(worker, tokens, sizes["tokens_per_update"], sizes["prompt"], lora_rank > 0)
+            result = attempt(measure_update, worker, tokens, sizes["tokens_per_update"], sizes["prompt"], lora_rank > 0)
             rows.append((f"{name}, {tokens} tokens/micro-batch", result))
             print(rows[-1], flush=True)
         if not lora_rank:
             for sequences in sizes["sequences"]:
-                result = measure_generation(worker, sequences, sizes["prompt"], sizes["response"])
+                result = attempt(measure_generation, worker, sequences, sizes["prompt"], sizes["response"])
                 rows.append((f"generate (hf), {sequences} x {sizes['prompt']}+{sizes['response']} tokens", result))
                 print(rows[-1], flush=True)
         attention = f"{worker.attention}, micro-batches: {worker.layout}, compute: {worker.compute_dtype}"
@@ -212,7 +223,8 @@ def table(device: torch.device, rows: list[tuple[str, dict]], attention: str, te
     ]
     for label, result in rows:
         mfu = f"{result['mfu']:.1%}" if result["mfu"] is not None else "-"
-        lines.append(f"| {label:<52} | {result['tokens_per_s']:>9.0f} | {mfu:>6} | {result['peak_gb']:>7.2f} |")
+        tokens_per_s = "OOM" if result["tokens_per_s"] is None else f"{result['tokens_per_s']:.0f}"
+        lines.append(f"| {label:<52} | {tokens_per_s:>9} | {mfu:>6} | {result['peak_gb']:>7.2f} |")
     return "\n".join(lines)
 
 
