@@ -26,6 +26,19 @@ def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
+def count_workers(requested: int | None, gpus: int) -> int:
+    """--num-workers as asked, or by default one per GPU of `gpus` (2 CPU slots where there are none); asking for
+    more workers than `gpus` is an error where there are GPUs."""
+    if requested is None:
+        return gpus or 2
+    if gpus and requested > gpus:
+        raise ValueError(
+            f"--num-workers {requested} asks for {requested} GPUs, one per worker; this machine has {gpus}: lower it, or "
+            "leave it out to take every GPU"
+        )
+    return requested
+
+
 @dataclass
 class RunArgs:
     exp_name: str = os.path.basename(sys.argv[0]).removesuffix(".py")
@@ -59,8 +72,9 @@ class RunArgs:
     max_turns: int = flag(4, positive=True)
     """with --env: most model turns per episode"""
 
-    num_workers: int = flag(2, positive=True)
-    """policy processes, one per GPU (per CPU slot without GPUs)"""
+    num_workers: int | None = flag(None, positive=True)
+    """policy processes, one per GPU (per CPU slot without GPUs); default: every GPU this machine has, 2 without GPUs
+    or with RAY_ADDRESS (a cluster: pass it)"""
     in_process: bool = False
     """debug mode: one worker inside this process, without Ray, so that breakpoint() in a loss, a reward or a worker
     stops in this terminal (--num-workers is then 1)"""
@@ -197,6 +211,11 @@ def check_args(args: RunArgs) -> None:
         value = getattr(args, field.name)
         if field.metadata.get("positive") and value is not None and not value > 0:
             raise ValueError(f"{flag_name(field.name)} is {value}; it must be above 0")
+    if not args.in_process:  # a cluster's GPUs are counted where its pool is made (ResourcePool)
+        import torch
+
+        gpus = 0 if os.environ.get("RAY_ADDRESS") else torch.cuda.device_count()
+        args.num_workers = count_workers(args.num_workers, gpus)
     num_workers = 1 if args.in_process else args.num_workers
     if num_workers % args.sequence_parallel:
         raise ValueError(

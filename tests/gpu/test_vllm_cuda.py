@@ -10,12 +10,12 @@ from functools import partial
 
 import pytest
 import torch
-from ray import cloudpickle
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
-    reason="needs a CUDA GPU and vllm; on a GPU machine see the README, 'What ran where'",
-)
+if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
+    # before Ray's import: the device check runs tests/gpu where neither Ray nor vLLM is installed
+    pytest.skip("CUDA-only: vLLM's sleep and wake and its NCCL weight sync need a CUDA GPU and vllm", allow_module_level=True)
+
+from ray import cloudpickle  # noqa: E402
 
 import grpo_hybrid  # noqa: E402
 from common.data import collate, load_prompts  # noqa: E402

@@ -1,0 +1,141 @@
+"""The policy worker as --in-process makes it (no Ray), on each device present, against the same computation in fp32
+or padded: bf16 compute over fp32 master weights, packed micro-batches and shared prompts, LoRA's reference by the
+disabled adapter, the reference offloaded to host memory, and the peak-memory metric."""
+
+from contextlib import contextmanager
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_packing import uneven_batch
+
+import grpo_hybrid
+from common.dataproto import DataProto
+from common.workers import PolicyWorker, measured
+
+LOG_PROB_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
+GRPO_LOSS = partial(grpo_hybrid.actor_loss, args=grpo_hybrid.Args(kl_loss_coef=0.0))
+
+
+class Probe(PolicyWorker):
+    @measured
+    def hold(self, gigabytes: float) -> None:
+        """Fill `gigabytes` of the device's memory for the length of the call."""
+        torch.ones(int(gigabytes * 2**30) // 4, device=self.device)
+
+    def master_weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the policy, whole, on the CPU."""
+        self.model.reshard()  # FSDP2 keeps the root unsharded after a forward, in the compute dtype
+        return {name: p.full_tensor().detach().cpu().clone() for name, p in self.model.named_parameters()}
+
+
+@contextmanager
+def policy_on(device: str, model_path: str, **settings):
+    """A policy worker on `device` as WorkerGroup makes one without a pool: rank 0 of 1, in this process."""
+    worker = Probe(0, 1, use_gpu=device == "cuda")
+    worker.setup(worker.master_address(), model_path=model_path, **settings)
+    try:
+        yield worker
+    finally:
+        dist.destroy_process_group()  # the next worker, maybe on the other device, starts its own
+
+
+def fp32_log_probs(model_path: str, batch: DataProto, device: str) -> torch.Tensor:
+    """Log-probs of the responses by the model in fp32, unsharded, its micro-batch padded."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+    inputs = {key: batch[key].to(device) for key in ("input_ids", "attention_mask", "position_ids")}
+    responses = batch["responses"].to(device)
+    with torch.no_grad():
+        logits = model(**inputs).logits[:, -responses.shape[1] - 1 : -1]
+    log_probs = torch.log_softmax(logits.float(), -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    return (log_probs * batch["attention_mask"][:, -responses.shape[1] :].to(device)).cpu()
+
+
+def rollout(worker, prompts, n: int) -> DataProto:
+    batch = prompts.repeat(n)
+    return batch | worker.generate(batch.select("prompts", "prompt_mask"), max_response_length=4)
+
+
+def grpo_update(worker, batch: DataProto) -> None:
+    batch["advantages"] = torch.linspace(-1, 1, len(batch))[:, None] * batch["response_mask"]
+    batch["rollout_log_probs"] = torch.zeros(batch["responses"].shape)
+    worker.update(batch.select(*LOG_PROB_INPUTS, "response_mask", "advantages", "rollout_log_probs"), GRPO_LOSS)
+
+
+def test_bf16_compute_over_fp32_master_weights(device, tiny_model, prompts):
+    with policy_on(device, tiny_model, compute_dtype="bfloat16", lr=1e-2) as worker:
+        batch = rollout(worker, prompts, n=4)
+        mask = batch["response_mask"].bool()
+        bf16 = worker.compute_log_prob(batch.select(*LOG_PROB_INPUTS))["old_log_probs"][mask]
+        fp32 = fp32_log_probs(tiny_model, batch, device)[mask]
+        # bf16 keeps 8 bits of each number: each log-prob within a few percent of itself, their mean within a hundredth
+        gap = (bf16 - fp32).abs()
+        assert 0 < gap.mean() < 0.01
+        assert torch.all(gap <= 0.03 * fp32.abs() + 0.01)
+        before = worker.master_weights()
+        grpo_update(worker, batch)
+        after = worker.master_weights()
+        assert {weight.dtype for weight in after.values()} == {torch.float32}
+        assert any(not torch.equal(before[name], after[name]) for name in before)
+
+
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_packed_micro_batches_and_shared_prompts_give_the_padded_log_probs(device, tiny_model, compute_dtype):
+    with policy_on(device, tiny_model, compute_dtype=compute_dtype) as worker:
+        batch = uneven_batch(worker.model.config.vocab_size)  # three rows share the prompts of two others
+        # flash-attention's variable-length kernel takes every sequence in one row; SDPA, a prompt and its samples
+        assert worker.layout == ("one row" if worker.attention == "flash_attention_2" else "shared prompts")
+        packed = worker.compute_log_prob(batch)["old_log_probs"]
+        worker.layout = "padded"
+        padded = worker.compute_log_prob(batch)["old_log_probs"]
+    mask = batch["attention_mask"][:, 7:].bool()
+    assert torch.all(padded[mask] < 0)
+    if compute_dtype == "float32":
+        torch.testing.assert_close(packed, padded, rtol=0, atol=1e-4)
+    else:  # the two layouts round differently; attention across sequences would move log-probs by whole units
+        assert (packed - padded)[mask].abs().mean() < 0.02
+
+
+def test_lora_reference_is_the_base_model_with_its_adapter_disabled(device, tiny_model, prompts):
+    settings = dict(compute_dtype="float32", lr=1e-2, lora_rank=4, lora_alpha=8)
+    with policy_on(device, tiny_model, **settings) as worker:
+        assert worker.reference is None
+        batch = rollout(worker, prompts, n=2)
+        mask, inputs = batch["response_mask"].bool(), batch.select(*LOG_PROB_INPUTS)
+        base = fp32_log_probs(tiny_model, batch, device)
+        for _ in range(3):
+            torch.testing.assert_close(worker.compute_ref_log_prob(inputs)["ref_log_probs"], base, rtol=1e-5, atol=1e-4)
+            grpo_update(worker, batch)
+        assert (worker.compute_log_prob(inputs)["old_log_probs"] - base)[mask].abs().max() > 1e-3
+
+
+def test_reference_lives_in_host_memory_and_computes_on_the_device(device, tiny_model, prompts):
+    """The frozen reference is offloaded to host memory (FSDP's CPU offload on a GPU; on the CPU it is there already)
+    and gathered onto the device for each of its passes, which match the model's in fp32; updates leave it alone."""
+    with policy_on(device, tiny_model, compute_dtype="float32", lr=1e-2) as worker:
+        batch = rollout(worker, prompts, n=2)
+        mask, inputs = batch["response_mask"].bool(), batch.select(*LOG_PROB_INPUTS)
+        base = fp32_log_probs(tiny_model, batch, device)
+        for _ in range(2):
+            assert {p.device.type for p in worker.reference.parameters()} == {"cpu"}
+            torch.testing.assert_close(worker.compute_ref_log_prob(inputs)["ref_log_probs"], base, rtol=1e-5, atol=1e-4)
+            grpo_update(worker, batch)
+        assert {p.device.type for p in worker.model.parameters()} == {device}
+        assert (worker.compute_log_prob(inputs)["old_log_probs"] - base)[mask].abs().max() > 1e-3
+
+
+def test_peak_memory_is_measured_per_method(device, tiny_model, prompts):
+    """Each method's peak counts from its own start: half a gigabyte one call held is not in the next call's peak (on
+    a GPU its allocator's peak, on Linux the resident set's high-water mark). Each peak is read once."""
+    with policy_on(device, tiny_model, compute_dtype="float32") as worker:
+        worker.phase_peak_memory()
+        worker.hold(0.5)
+        worker.compute_log_prob(rollout(worker, prompts, n=1).select(*LOG_PROB_INPUTS))
+        peaks = worker.phase_peak_memory()
+        assert set(peaks) == {"hold", "generate", "compute_log_prob"}
+        assert peaks["hold"] > peaks["compute_log_prob"] + 0.4 and peaks["hold"] > peaks["generate"] + 0.4
+        assert peaks["compute_log_prob"] > 0
+        assert worker.phase_peak_memory() == {}
