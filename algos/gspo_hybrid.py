@@ -1,10 +1,10 @@
 # GSPO: Zheng et al. 2025, "Group Sequence Policy Optimization" (https://arxiv.org/abs/2507.18071); a fork of
 # grpo_hybrid.py. GRPO's group-relative advantages, but the importance ratio and its clipping are the sequence's:
 # the geometric mean of its tokens' ratios, clipped in a narrow range, the loss averaged per sequence; no KL term.
-# Off-policy correction (docs/off-policy-correction.md): the clipped ratio is the sequence's, pi / pi_old as the geometric
-# mean of its tokens', pi_old the policy before the update (the proximal policy of --max-staleness's decoupled
-# objective); --rollout-is and --rollout-rs correct pi_old against pi_rollout, the engine's probabilities of its samples
-# (other numerics, older weights): a token's or the sequence's weight multiplies each token's clipped term.
+# Off-policy correction (docs/off-policy-correction.md): --rollout-is and --rollout-rs correct pi_old, the policy before
+# the update (the proximal policy of --max-staleness's decoupled objective), against pi_rollout, the engine's
+# probabilities of its samples (other numerics, older weights); the weight multiplies each token's clipped term.
+# The ratio the loss clips is the sequence's pi / pi_old, the geometric mean of its tokens'.
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -94,8 +94,8 @@ def agg_loss(
     """Reduce a [batch, tokens] loss over the valid tokens: the loss contract of every update.
 
     The worker splits a mini-batch into micro-batches on every rank, and hands each loss function
-    `num_tokens` and `num_seqs`, the valid tokens and the sequences of the whole mini-batch over every
-    micro-batch and rank. Each mode divides by one of those counts (or by a constant), never by a
+    `num_tokens` and `num_seqs`, the valid tokens and the sequences that have any of the whole mini-batch over
+    every micro-batch and rank. Each mode divides by one of those counts (or by a constant), never by a
     micro-batch's own, so a micro-batch's result is its share of the mini-batch's value: the shares add up
     over micro-batches and ranks to exactly that value, and their gradients to its gradient, however the
     mini-batch is split. The worker then only sums, all-reduces and steps. Without the counts, a batch's

@@ -1,9 +1,10 @@
 # PPO for language models: Ouyang et al. 2022, "InstructGPT" (https://arxiv.org/abs/2203.02155), with
 # Schulman et al. 2017 (https://arxiv.org/abs/1707.06347) and GAE (https://arxiv.org/abs/1506.02438).
 # An actor and a critic; token-level values and GAE; the KL to the reference is folded into the reward.
-# Off-policy correction (docs/off-policy-correction.md): the clipped ratio is pi / pi_old per token, pi_old the policy
-# before the update (the proximal policy of --max-staleness's decoupled objective); --rollout-is and --rollout-rs correct
-# pi_old against pi_rollout, the engine's probabilities of its samples (other numerics, older weights).
+# Off-policy correction (docs/off-policy-correction.md): --rollout-is and --rollout-rs correct pi_old, the policy before
+# the update (the proximal policy of --max-staleness's decoupled objective), against pi_rollout, the engine's
+# probabilities of its samples (other numerics, older weights); the weight multiplies each token's clipped term.
+# The ratio the loss clips is pi / pi_old per token.
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -146,8 +147,8 @@ def agg_loss(
     """Reduce a [batch, tokens] loss over the valid tokens: the loss contract of every update.
 
     The worker splits a mini-batch into micro-batches on every rank, and hands each loss function
-    `num_tokens` and `num_seqs`, the valid tokens and the sequences of the whole mini-batch over every
-    micro-batch and rank. Each mode divides by one of those counts (or by a constant), never by a
+    `num_tokens` and `num_seqs`, the valid tokens and the sequences that have any of the whole mini-batch over
+    every micro-batch and rank. Each mode divides by one of those counts (or by a constant), never by a
     micro-batch's own, so a micro-batch's result is its share of the mini-batch's value: the shares add up
     over micro-batches and ranks to exactly that value, and their gradients to its gradient, however the
     mini-batch is split. The worker then only sums, all-reduces and steps. Without the counts, a batch's
@@ -470,18 +471,20 @@ if __name__ == "__main__":
             critic_inputs = batch.select(*log_prob_inputs, "response_mask", "values", "returns")
             critic_metrics = critic.scatter("update", critic_inputs, loss_fn=partial(critic_loss, args=args))
         metrics |= {f"critic/{key}": value for key, value in critic_metrics[0].items()}
-        if step >= args.critic_warmup:
-            with timer("update", metrics):
-                update_batch = batch.select(*update_inputs)
-                update_batch["response_mask"] = update_mask
-                actor_metrics = policy.scatter("update", update_batch, loss_fn=partial(actor_loss, args=args))[0]
-            if not old_log_prob_pass:  # the pass's figures, measured by the update: the gap stops the run before the next step
-                metrics |= rollout_gap_of_update(actor_metrics, batch["staleness"], args.max_rollout_logprob_diff)
-                terms = {key: actor_metrics.pop(key) for key in list(actor_metrics) if key.startswith(ROLLOUT_CORR)}
-            metrics |= {f"actor/{key}": value for key, value in actor_metrics.items()} | rollout_corr_metrics(terms)
         values, returns = batch["values"][response_mask.bool()], returns[response_mask.bool()]
         metrics["critic/values_mean"] = values.mean().item()
         metrics["critic/explained_variance"] = (1 - (returns - values).var() / (returns.var() + 1e-8)).item()
+        if step < args.critic_warmup:
+            run.end_step(step, batch, scores, metrics, kl_coef=kl_coef)
+            continue
+        with timer("update", metrics):
+            update_batch = batch.select(*update_inputs)
+            update_batch["response_mask"] = update_mask
+            actor_metrics = policy.scatter("update", update_batch, loss_fn=partial(actor_loss, args=args))[0]
+        if not old_log_prob_pass:  # the pass's figures, measured by the update: the gap stops the run before the next step
+            metrics |= rollout_gap_of_update(actor_metrics, batch["staleness"], args.max_rollout_logprob_diff)
+            terms = {key: actor_metrics.pop(key) for key in list(actor_metrics) if key.startswith(ROLLOUT_CORR)}
+        metrics |= {f"actor/{key}": value for key, value in actor_metrics.items()} | rollout_corr_metrics(terms)
         run.end_step(step, batch, scores, metrics, kl_coef=kl_coef)
 
     run.finish()
