@@ -122,13 +122,11 @@ def rollout_log_ratio(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor
     return (old_log_prob - rollout_log_prob).clamp(-20, 20).detach()
 
 
-def rollout_is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, threshold: float) -> torch.Tensor | None:
+def rollout_is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, threshold: float) -> torch.Tensor:
     """Importance weights for the engine's samples, without gradient: token, min(r_t, C) per token (truncated
     importance sampling, Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training");
     sequence, min(prod_t r_t, C) over the response's tokens in `mask`, the same on each of them (Liu et al. 2025,
-    "When Speed Kills Stability"); none: no weights."""
-    if level == "none":
-        return None
+    "When Speed Kills Stability")."""
     if level == "sequence":
         log_ratio = (log_ratio * mask).sum(-1, keepdim=True).clamp(-20, 20).expand_as(log_ratio)
     return log_ratio.exp().clamp(max=threshold).detach()
@@ -303,8 +301,10 @@ def actor_loss(batch, outputs, minibatch_tokens, minibatch_seqs, args: Args):
     old_log_prob = batch["old_log_probs"] if "old_log_probs" in batch else log_prob.detach()
     # The engine sampled from pi_rollout, not pi_old: other numerics, and older weights with --max-staleness, where the
     # decoupled objective (Hilton et al. 2022) clips around pi_old. --rollout-is weights the loss by pi_old / pi_rollout.
-    log_ratio = rollout_log_ratio(old_log_prob, batch["rollout_log_probs"])
-    is_weights = rollout_is_weights(log_ratio, mask, rollout_is_level(args), args.rollout_is_threshold)
+    is_weights, level = None, rollout_is_level(args)
+    if level != "none":
+        log_ratio = rollout_log_ratio(old_log_prob, batch["rollout_log_probs"])
+        is_weights = rollout_is_weights(log_ratio, mask, level, args.rollout_is_threshold)
     clip = (args.clip_ratio_low, args.clip_ratio_high)
     pg_loss, metrics = compute_policy_loss(
         old_log_prob, log_prob, batch["advantages"], mask, *clip, args.loss_agg_mode, *counts, is_weights

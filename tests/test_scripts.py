@@ -113,7 +113,8 @@ VLLM_FP32 = ["--rollout-engine", "vllm", "--rollout-dtype", "float32"]  # the tr
         ("ppo", LORA + ["--tis"]),
         ("ppo", ["--sequence-parallel", "2"]),
         ("dapo", ["--tis", "--overlong-buffer-length", "0"]),
-        ("rloo", ["--mini-batch-size", "8", "--kl-coef", "0"]),  # one optimiser step, no KL: no old-log-prob pass
+        # one optimiser step, no KL: no old-log-prob pass; the entropy bonus has a gradient when every group agrees
+        ("rloo", ["--mini-batch-size", "8", "--kl-coef", "0", "--entropy-coef", "0.01"]),
         ("reinforcepp", ["--baseline", "--rollout-rs", "icepop,seq_mean_k3", "--rollout-rs-threshold", ",0.01"]),
         ("gspo", ["--rollout-is", "sequence"]),
         ("grpo", VLLM_FP32),
