@@ -20,6 +20,7 @@ from common.dataproto import DataProto
 from common.layouts import Layout, balanced_parts, part_loads, response_outputs
 from common.rollout import machine_memory_bytes
 from common.sequence_parallel import register as register_sequence_parallel
+from common.update_metrics import MAX, MIN, accumulate
 from common.worker_group import Worker
 
 
@@ -242,12 +243,14 @@ class FSDPWorker(Worker):
         self.model.train()
         per_rank = self.mini_batch_size * self.sequence_parallel // self.world_size if self.mini_batch_size else len(data)
         minis = data.split(per_rank)
-        # Every mini-batch's counts over all ranks in one collective: on the CPU each one costs as much as a forward.
-        counts = self._all_reduce_sum([c for mini in minis for c in (mini["response_mask"].sum().item(), len(mini))])
+        # Every mini-batch's counts over all ranks in one collective: on the CPU each one costs as much as a forward. A
+        # sequence the script's rejection masked out whole counts as none, as its tokens do.
+        sizes = [(mini["response_mask"].sum().item(), mini["response_mask"].any(-1).sum().item()) for mini in minis]
+        counts = self._all_reduce_sum([c for size in sizes for c in size])
         history, all_shares = defaultdict(list), []
         for _ in range(self.epochs):
             for mini, tokens, seqs in zip(minis, counts[::2], counts[1::2]):
-                shares = defaultdict(float)
+                shares = {"loss": 0.0}
                 for rows in self.micro_batches(mini):
                     micro = mini[rows].to(self.device)
                     loss, metrics = loss_fn(micro, forward(micro), minibatch_tokens=tokens, minibatch_seqs=seqs)
@@ -256,7 +259,7 @@ class FSDPWorker(Worker):
                     (loss * self.world_size).backward()
                     shares["loss"] += loss.item()
                     for key, value in metrics.items():
-                        shares[key] += float(value)
+                        accumulate(shares, key, float(value))
                 all_shares.append(shares)
                 grad_norm = self._clip_grad_norm()
                 if math.isfinite(grad_norm):
@@ -270,6 +273,13 @@ class FSDPWorker(Worker):
         for i, key in enumerate(keys):
             history[key] = summed[i :: len(keys)]
         metrics = {key: float(np.mean(values)) for key, values in history.items()}
+        # Figures named *_max or *_min are extremes: over every micro-batch, mini-batch and rank, in one collective.
+        extremes = [(key, 1.0 if key.endswith(MAX) else -1.0) for key in keys if key.endswith((MAX, MIN))]
+        if extremes:
+            signed = [max(sign * shares[key] for shares in all_shares) for key, sign in extremes]
+            tensor = torch.tensor(signed, dtype=torch.float64, device=self.device)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+            metrics |= {key: sign * peak for (key, sign), peak in zip(extremes, tensor.tolist())}
         metrics["skipped_updates"] = float(np.sum(history["skipped_updates"]))
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         return metrics

@@ -35,6 +35,13 @@ import torch
 
 from common import weight_sync
 from common.dataproto import DataProto
+from common.update_metrics import (
+    IMPORTANCE_WEIGHT,
+    IMPORTANCE_WEIGHT_MAX,
+    IMPORTANCE_WEIGHT_SQ_DEV,
+    ROLLOUT_LOGPROB_DIFF,
+    ROLLOUT_LOGPROB_DIFF_MAX,
+)
 
 # The maximum LoRA ranks vLLM accepts; an adapter of a smaller rank is served in the next one up.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -464,17 +471,21 @@ def rollout_logprob_gap(batch: DataProto, bound: float) -> dict:
     }
 
 
-def rollout_gap_of_update(metrics: dict, staleness: torch.Tensor, bound: float) -> dict:
-    """rollout_logprob_gap's figures where the update measured them, without an old-log-prob pass: from the token means
-    it put in `metrics` (popped from there), `actor/rollout_logprob_diff` (|trainer - engine| log-probs),
-    `actor/importance_weight` (w, trainer / engine probability) and `actor/importance_weight_sq_dev` ((w - 1)^2, so that
-    the spread of weights near 1 keeps its digits). The gap is checked only when every sample came from the weights
-    the trainer holds (`staleness` 0): the probe after each weight sync checks the engines of older ones."""
-    gap = metrics.pop("actor/rollout_logprob_diff")
-    mean, sq_dev = metrics.pop("actor/importance_weight"), metrics.pop("actor/importance_weight_sq_dev")
+def rollout_gap_of_update(update: dict, staleness: torch.Tensor, bound: float) -> dict:
+    """rollout_logprob_gap's figures where the update measured them, without an old-log-prob pass: from the terms of
+    common/update_metrics.py's rollout_gap_terms in the update's metrics (popped from there). The gap is checked only
+    when every sample came from the weights the trainer holds (`staleness` 0): the probe after each weight sync checks
+    the engines of older ones."""
+    gap, gap_max = update.pop(ROLLOUT_LOGPROB_DIFF), update.pop(ROLLOUT_LOGPROB_DIFF_MAX)
+    mean, sq_dev = update.pop(IMPORTANCE_WEIGHT), update.pop(IMPORTANCE_WEIGHT_SQ_DEV)
     if staleness.max() == 0:
         check_rollout_gap(gap, bound)
-    return {"rollout/logprob_diff_mean": gap, "rollout/importance_weight_std": max(sq_dev - (mean - 1) ** 2, 0.0) ** 0.5}
+    return {
+        "rollout/logprob_diff_mean": gap,
+        "rollout/logprob_diff_max": gap_max,
+        "rollout/importance_weight_std": max(sq_dev - (mean - 1) ** 2, 0.0) ** 0.5,
+        "rollout/importance_weight_max": update.pop(IMPORTANCE_WEIGHT_MAX),
+    }
 
 
 def check_rollout_gap(mean: float, bound: float) -> dict:

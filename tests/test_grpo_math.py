@@ -8,8 +8,9 @@ import torch
 
 import dapo_hybrid
 import ppo_hybrid
-from grpo_hybrid import agg_loss, compute_grpo_advantages, compute_policy_loss, compute_tis_weights, kl_penalty
+from grpo_hybrid import agg_loss, compute_grpo_advantages, compute_policy_loss, kl_penalty, rollout_is_weights
 
+from common import update_metrics
 from common.rollout import rollout_gap_of_update, rollout_logprob_gap
 
 
@@ -112,11 +113,11 @@ def test_policy_loss_ignores_masked_tokens():
 def test_tis_weights_are_capped_importance_ratios():
     old = torch.tensor([[0.0, -1.0, -2.0, -0.5]])
     rollout = torch.tensor([[0.0, -2.0, -0.5, -0.6]])
-    weights = compute_tis_weights(old, rollout, cap=2.0)
+    weights = rollout_is_weights(old - rollout, torch.ones(1, 4), "token", threshold=2.0)
     # pi_old / pi_rollout = 1, e (capped to 2), e^-1.5, e^0.1
     torch.testing.assert_close(weights, torch.tensor([[1.0, 2.0, math.exp(-1.5), math.exp(0.1)]]))
     for script in (ppo_hybrid, dapo_hybrid):  # forks share it unchanged
-        torch.testing.assert_close(script.compute_tis_weights(old, rollout, cap=2.0), weights)
+        torch.testing.assert_close(script.rollout_is_weights(old - rollout, torch.ones(1, 4), "token", 2.0), weights)
 
 
 def test_policy_loss_with_tis_weights_each_token():
@@ -124,22 +125,24 @@ def test_policy_loss_with_tis_weights_each_token():
     advantages = torch.tensor([[1.0, 1.0, -2.0]])
     old, mask = torch.zeros(1, 3), torch.ones(1, 3)
     weights = torch.tensor([[2.0, 0.5, 0.25]])
-    loss, metrics = compute_policy_loss(old, ratio.log(), advantages, mask, 0.2, 0.2, 3.0, "token-mean", tis_weights=weights)
+    loss, _ = compute_policy_loss(old, ratio.log(), advantages, mask, 0.2, 0.2, 3.0, "token-mean", is_weights=weights)
     # per token, unweighted: -1.2 (clipped), -0.5, 2.0
     assert loss.item() == pytest.approx((2.0 * -1.2 + 0.5 * -0.5 + 0.25 * 2.0) / 3)
-    assert metrics["tis_weight"].item() == pytest.approx((2.0 + 0.5 + 0.25) / 3)
 
 
-@pytest.mark.parametrize("script", ["grpo_hybrid", "dapo_hybrid", "gspo_hybrid"])
+SCRIPTS = ["grpo_hybrid", "dapo_hybrid", "gspo_hybrid", "rloo_hybrid", "reinforcepp_hybrid", "ppo_hybrid"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_actor_loss_without_old_log_probs_equals_the_loss_with_them(script):
-    """One epoch over one mini-batch skips the old-log-prob pass: the update's own log-probs, held constant, give the
+    """One optimiser step per batch skips the old-log-prob pass: the update's own log-probs, held constant, give the
     loss, the gradient and the metrics that the pass's (equal) log-probs would."""
     import importlib
 
     from common.dataproto import DataProto
 
     module = importlib.import_module(script)
-    args = module.Args(kl_loss_coef=0.1, tis=True)
+    args = module.Args(tis=True, **({"kl_loss_coef": 0.1} if hasattr(module.Args, "kl_loss_coef") else {}))
     generator = torch.Generator().manual_seed(0)
     log_prob_init = -torch.rand(4, 5, generator=generator) * 3
     mask = torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2, [1.0] * 4 + [0.0], [1.0] * 5])
@@ -164,11 +167,11 @@ def test_actor_loss_without_old_log_probs_equals_the_loss_with_them(script):
     for key, value in metrics_pass.items():
         assert float(metrics_skip[key]) == pytest.approx(float(value), abs=1e-7), key
     gap = ((log_prob_init - batch["rollout_log_probs"]).abs() * mask).sum() / mask.sum()
-    assert float(metrics_skip["rollout_logprob_diff"]) == pytest.approx(gap.item(), rel=1e-5)
+    assert float(metrics_skip[update_metrics.ROLLOUT_LOGPROB_DIFF]) == pytest.approx(gap.item(), rel=1e-5)
     assert float(metrics_skip["entropy"]) == pytest.approx(((entropy * mask).sum() / mask.sum()).item(), rel=1e-5)
     # the driver's figures of the engine's gap and the importance weights' spread, as the pass's batch gives them
     stale = torch.ones(4, dtype=torch.long)
-    update = {f"actor/{key}": float(value) for key, value in metrics_skip.items()}
+    update = {key: float(value) for key, value in metrics_skip.items()}
     figures = rollout_gap_of_update(update, stale, bound=0.1)
     passed = DataProto.from_dict(batch | {"old_log_probs": log_prob_init, "staleness": stale})
     expected = rollout_logprob_gap(passed, bound=0.1)
@@ -178,8 +181,22 @@ def test_actor_loss_without_old_log_probs_equals_the_loss_with_them(script):
 
 def test_the_updates_gap_is_checked_only_on_batches_from_the_trainers_weights():
     """Samples from older weights differ from the trainer's by the updates since: the probe checks their engines."""
-    update = {"actor/rollout_logprob_diff": 0.5, "actor/importance_weight": 1.2, "actor/importance_weight_sq_dev": 0.13}
+    names = update_metrics
+    update = {
+        names.ROLLOUT_LOGPROB_DIFF: 0.5,
+        names.ROLLOUT_LOGPROB_DIFF_MAX: 0.9,
+        names.IMPORTANCE_WEIGHT: 1.2,
+        names.IMPORTANCE_WEIGHT_MAX: 2.5,
+        names.IMPORTANCE_WEIGHT_SQ_DEV: 0.13,
+    }
     figures = rollout_gap_of_update(dict(update), torch.tensor([1, 0]), bound=0.1)
-    assert figures == pytest.approx({"rollout/logprob_diff_mean": 0.5, "rollout/importance_weight_std": 0.3})
+    assert figures == pytest.approx(
+        {
+            "rollout/logprob_diff_mean": 0.5,
+            "rollout/logprob_diff_max": 0.9,
+            "rollout/importance_weight_std": 0.3,
+            "rollout/importance_weight_max": 2.5,
+        }
+    )
     with pytest.raises(RuntimeError, match="does not hold the policy's weights"):
         rollout_gap_of_update(dict(update), torch.tensor([0, 0]), bound=0.1)

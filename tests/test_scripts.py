@@ -44,6 +44,19 @@ SHARED_METRICS = [
     "reward/errors",
     "rollout/logprob_diff_mean",
     "rollout/logprob_diff_max",
+    "rollout_corr/weight_mean",
+    "rollout_corr/weight_max",
+    "rollout_corr/weight_min",
+    "rollout_corr/ess",
+    "rollout_corr/rejected_token_share",
+    "rollout_corr/rejected_seq_share",
+    "rollout_corr/kl_k1",
+    "rollout_corr/kl_k3",
+    "rollout_corr/ppl_trainer",
+    "rollout_corr/ppl_rollout",
+    "rollout_corr/log_ppl_diff",
+    "rollout_corr/chi2_token",
+    "rollout_corr/chi2_seq",
 ]
 
 
@@ -100,9 +113,10 @@ VLLM_FP32 = ["--rollout-engine", "vllm", "--rollout-dtype", "float32"]  # the tr
         ("ppo", LORA + ["--tis"]),
         ("ppo", ["--sequence-parallel", "2"]),
         ("dapo", ["--tis", "--overlong-buffer-length", "0"]),
-        ("rloo", []),
-        ("reinforcepp", ["--baseline"]),
-        ("gspo", []),
+        # one optimiser step, no KL: no old-log-prob pass; the entropy bonus has a gradient when every group agrees
+        ("rloo", ["--mini-batch-size", "8", "--kl-coef", "0", "--entropy-coef", "0.01"]),
+        ("reinforcepp", ["--baseline", "--rollout-rs", "icepop,seq_mean_k3", "--rollout-rs-threshold", ",0.01"]),
+        ("gspo", ["--rollout-is", "sequence"]),
         ("grpo", VLLM_FP32),
         ("ppo", VLLM_FP32 + LORA + ["--lora-sync", "merged"]),
         ("dapo", VLLM_FP32 + ["--tis"]),
@@ -114,9 +128,9 @@ VLLM_FP32 = ["--rollout-engine", "vllm", "--rollout-dtype", "float32"]  # the tr
         "ppo-lora-tis",
         "ppo-sequence-parallel",
         "dapo-tis-no-shaping",
-        "rloo",
-        "reinforcepp-baseline",
-        "gspo",
+        "rloo-one-step",
+        "reinforcepp-baseline-rejection",
+        "gspo-sequence-is",
         "grpo-vllm",
         "ppo-vllm-lora-merge",
         "dapo-vllm-tis",
@@ -137,10 +151,12 @@ def test_two_steps_with_two_workers(ray_cluster, demo_files, tmp_path, algo, fla
         assert rows[2]["reward/overlong_penalty_mean"] == 0 and rows[2]["response/overlong_ratio"] == 0
     if "--critic-warmup" in flags:  # the policy first updates at that step, the critic from the start
         assert "actor/pg_loss" not in rows[1] and "critic/loss" in rows[1]
-    # both engines compute in fp32 here, as the trainer does: log-probs differ by float rounding only, so TIS weights are 1
+    # both engines compute in fp32 here, as the trainer does: log-probs differ by float rounding only, so every importance
+    # weight is 1 and no criterion rejects a token
     assert rows[2]["rollout/logprob_diff_max"] < 1e-4
-    if "--tis" in flags:
-        assert rows[2]["actor/tis_weight"] == pytest.approx(1.0, abs=1e-4)
+    for name in ("weight_mean", "weight_max", "weight_min", "ess"):
+        assert rows[2][f"rollout_corr/{name}"] == pytest.approx(1.0, abs=1e-4), name
+    assert rows[2]["rollout_corr/rejected_token_share"] == rows[2]["rollout_corr/rejected_seq_share"] == 0
     assert "held-out accuracy" in result.stdout
     assert json.loads((run_dir / "config.json").read_text())["lora_rank"] == (8 if "--lora-rank" in flags else 0)
 

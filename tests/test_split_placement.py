@@ -143,6 +143,9 @@ def test_steps_on_a_rollout_worker(ray_cluster, demo_files, tmp_path, algo, flag
         assert all(row["rollout/logprob_diff_max"] < 1e-4 for row in steps)
     else:
         assert max(row["rollout/importance_weight_std"] for row in steps) > 0
+        # the correction's weights spread both ways around 1, measured by the update where it stands in for the pass
+        assert max(row["rollout_corr/weight_max"] for row in steps) > 1 > min(row["rollout_corr/weight_min"] for row in steps)
+        assert max(row["rollout_corr/chi2_token"] for row in steps) > 0
 
 
 def test_sigterm_saves_where_the_engines_batches_begin_and_the_run_resumes(ray_cluster, demo_files, tmp_path):
