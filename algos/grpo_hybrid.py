@@ -19,7 +19,7 @@ from common.update_metrics import ROLLOUT_CORR, rollout_gap_terms
 
 @dataclass
 class Args(RunArgs):
-    """The algorithm's flags; those every script shares (model, data, workers, batches, checkpoints) are in common/run.py"""
+    """The algorithm's flags; those every script shares (model, data, workers, batches, checkpoints) are in common/args.py"""
 
     norm_adv_by_std: bool = True
     """divide advantages by the group's std (False: Dr.GRPO)"""

@@ -22,7 +22,7 @@ from common.update_metrics import ROLLOUT_CORR, rollout_gap_terms
 
 @dataclass
 class Args(RunArgs):
-    """The algorithm's flags; those every script shares (model, data, workers, batches, checkpoints) are in common/run.py"""
+    """The algorithm's flags; those every script shares (model, data, workers, batches, checkpoints) are in common/args.py"""
 
     gamma: float = 1.0
     """discount factor over response tokens"""

@@ -21,7 +21,7 @@ from common.update_metrics import ROLLOUT_CORR, rollout_gap_terms
 
 @dataclass
 class Args(RunArgs):
-    """The algorithm's flags; those every script shares (model, data, workers, batches, checkpoints) are in common/run.py"""
+    """The algorithm's flags; those every script shares (model, data, workers, batches, checkpoints) are in common/args.py"""
 
     clip_ratio_low: float = 0.2
     """PPO clip range below 1"""

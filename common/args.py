@@ -68,7 +68,7 @@ class RunArgs:
     """most tokens generated per response; with --env, most tokens of an episode (the model's and the environment's)"""
     env: str | None = None
     """multi-turn episodes: the environment that answers the model's turns, `path/to/file.py:ClassName` or a built-in
-    (calculator); its steps run isolated like rewards, under --reward-workers and --reward-timeout (see README)"""
+    (calculator); its steps run isolated like rewards, under --reward-workers and --reward-timeout (docs/multi-turn.md)"""
     max_turns: int = flag(4, positive=True)
     """with --env: most model turns per episode"""
 
@@ -82,13 +82,13 @@ class RunArgs:
     """what generates rollouts: `hf`, transformers' generate on the policy itself; `vllm`, a vLLM engine in its process"""
     rollout_workers: int = flag(0, resumable=True)
     """0: the policy's own processes generate (the hybrid engine); N: N processes apart from the policy's, one
-    --rollout-engine each, to which the policy sends its weights after each update (split placement, see README)"""
+    --rollout-engine each, to which the policy sends its weights after each update (split placement, docs/async.md)"""
     max_staleness: int = flag(0, resumable=True)
     """0: each step generates its batch from the policy as it is, then trains; K: the rollout workers generate the next
     batches while the policy trains, from weights at most K updates older than the policy's (needs --rollout-workers;
-    the scripts' losses then correct for the older weights, see README)"""
+    the scripts' losses then correct for the older weights, docs/off-policy-correction.md)"""
     rollout_dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """with vllm: what the engine computes in (the trainer keeps fp32 weights; TIS corrects the gap)"""
+    """with vllm: what the engine computes in (the trainer keeps fp32 weights; --rollout-is corrects the gap)"""
     rollout_gpu_memory_utilization: float = 0.5
     """with vllm on GPUs: the share of each GPU's memory the engine takes for its weights and KV cache"""
     lora_sync: Literal["auto", "adapter", "merged"] = "auto"
@@ -168,7 +168,7 @@ class RunArgs:
     """0: the reward model (or the judge) shares the policy's accelerators (colocated); N: N workers of its own, apart"""
     judge_model: str | None = None
     """an LLM judge (a causal language model folder, or a short name) that scores every response as --judge-template
-    asks it; its score meets a rule's as --reward-model's does (see README)"""
+    asks it; its score meets a rule's as --reward-model's does (docs/rewards.md)"""
     judge_template: str | None = None
     """with --judge-model: a text file holding the judge's question, with {prompt}, {response} and {ground_truth} in
     it, that asks for a verdict, Yes or No"""

