@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import queue
 import shutil
 import time
 from contextlib import nullcontext
@@ -67,6 +68,7 @@ class PolicyWorker(FSDPWorker, EngineWorker):
     sequence_parallel_methods = (*FSDPWorker.sequence_parallel_methods, "probe_log_probs")
 
     trains = True  # else its rollout engine keeps the weights it loaded, never sent the model's
+    weight_bucket_bytes = weight_sync.BUCKET_BYTES
 
     def _from_pretrained(self, model_path: str, **kwargs):
         from transformers import AutoModelForCausalLM
@@ -222,18 +224,38 @@ class PolicyWorker(FSDPWorker, EngineWorker):
     @measured
     def send_weights(self, adapter: bool) -> None:
         """The policy as it is now, to every rollout worker: its LoRA adapter alone, or every weight (an adapter
-        merged in). A collective: every rank gathers. Rank 0 copies them to CPU memory and sends the copy from a
-        thread, which the engines join when they are done with what they are generating: the policy trains meanwhile.
-        One version at a time: the next waits until the engines took this one."""
-        weights = weight_sync.engine_adapter(self.model).items() if adapter else weight_sync.engine_weights(self.model)
+        merged in). A collective: every rank gathers, one FSDP unit at a time. Rank 0 packs what it gathers into
+        buckets in CPU memory, which a thread sends (weight_sync.send_buckets) as each fills, to engines that join
+        when they are done with what they are generating: the policy trains meanwhile. One version at a time: the
+        next waits until the engines took this one."""
+        if self.rank == 0 and self.sending is not None:
+            self.sending.result()  # raises what went wrong in the thread
+        if adapter:
+            tensors = weight_sync.engine_adapter(self.model)
+            if self.rank == 0:
+                copy = [(name, tensor.to("cpu", copy=True)) for name, tensor in tensors.items()]
+                send = weight_sync.send_tensors
+                self.sending = self.sender.submit(send, self.weight_group, copy, self.device, self.weight_bucket_bytes)
+            return
+        weights = weight_sync.engine_weights(self.model)
         if self.rank != 0:
             for _ in weights:  # the gathers of every unit
                 pass
             return
-        if self.sending is not None:
-            self.sending.result()  # raises what went wrong in the thread
-        copy = [(name, tensor.to("cpu", copy=True)) for name, tensor in weights]
-        self.sending = self.sender.submit(weight_sync.send_tensors, self.weight_group, copy, self.device)
+        layout = weight_sync.engine_layout(self.model, self.compute_dtype)
+        filled = queue.SimpleQueue()
+
+        def buckets():
+            while (bucket := filled.get()) is not None:
+                yield bucket
+
+        send = weight_sync.send_buckets
+        self.sending = self.sender.submit(send, self.weight_group, layout, buckets(), self.device, self.weight_bucket_bytes)
+        try:
+            for bucket in weight_sync.packed_buckets(layout, weights, torch.device("cpu"), self.weight_bucket_bytes):
+                filled.put(bucket)
+        finally:
+            filled.put(None)
 
     @torch.no_grad()
     def probe_log_probs(self, data: DataProto) -> DataProto:

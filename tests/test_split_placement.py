@@ -17,6 +17,7 @@ from ray import cloudpickle
 
 from common.checkpoint import complete_checkpoints
 from common.rollout import check_probe
+from common.weight_sync import engine_weights, send_tensors
 from common.worker_group import ResourcePool, WorkerGroup, wait_all
 from common.workers import RolloutWorker
 from test_long_runs import TINY, metric_rows, start_script, wait_for_steps
@@ -29,17 +30,18 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 @contextmanager
-def placed(cpu_pool, model_path, engines, rollout_engine, adapter=False, **policy_settings):
+def placed(cpu_pool, model_path, engines, rollout_engine, adapter=False, policy_cls=PolicyProbe, engine_cls=RolloutWorker,
+           **policy_settings):  # fmt: skip
     """A policy group with no engine of its own, `engines` rollout workers on CPU bundles of their own, and the weight
     group between them."""
     policy = WorkerGroup(
-        PolicyProbe, cpu_pool, "split_policy", model_path=model_path, rollout_engine=None, lr=1e-2, weight_decay=0.0,
+        policy_cls, cpu_pool, "split_policy", model_path=model_path, rollout_engine=None, lr=1e-2, weight_decay=0.0,
         micro_batch_size=10, **policy_settings,
     )  # fmt: skip
     pool = ResourcePool(engines, use_gpu=False)
     adapter_config = policy.broadcast("adapter_config")[0] if adapter else None
     settings = dict(rollout_engine=rollout_engine, rollout_dtype="float32", max_model_len=16, compute_dtype="float32")
-    group = WorkerGroup(RolloutWorker, pool, "split_engines", model_path=model_path, adapter_config=adapter_config, **settings)
+    group = WorkerGroup(engine_cls, pool, "split_engines", model_path=model_path, adapter_config=adapter_config, **settings)
     try:
         address, size = policy.broadcast("master_address")[0], engines + 1
         wait_all(policy.submit("join_weight_group", address, size), group.submit("join_weight_group", address, size))
@@ -104,6 +106,52 @@ def test_vllm_engine_apart_serves_the_lora_adapter_it_is_sent(cpu_pool, tiny_mod
 def test_hf_engines_apart_receive_the_lora_adapter_merged(cpu_pool, tiny_model, prompts):
     with placed(cpu_pool, tiny_model, 2, "hf", lora_rank=8) as (policy, engines):
         check_versions(policy, engines, prompts)
+
+
+class BucketedPolicy(PolicyProbe):
+    weight_bucket_bytes = 4096  # many buckets, and tensors larger than one, which travel alone
+
+    def engine_weights(self) -> dict:
+        return {name: tensor.to("cpu", copy=True) for name, tensor in engine_weights(self.model)}
+
+    def send_weights_without(self, dropped: str) -> None:
+        """send_weights, but the weight `dropped` never leaves: as a broken sync would send."""
+        weights = engine_weights(self.model)
+        kept = [(name, tensor.to("cpu", copy=True)) for name, tensor in weights if name != dropped]
+        if self.rank == 0:
+            send_tensors(self.weight_group, kept, self.device, self.weight_bucket_bytes)
+
+
+class InspectedEngine(RolloutWorker):
+    def weights(self) -> dict:
+        return {name: param.detach().clone() for name, param in self.model.named_parameters(remove_duplicate=False)}
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full-weights", "lora-merged"])
+def test_bucketed_sync_leaves_every_engine_tensor_equal_to_the_trainers(cpu_pool, tiny_model, prompts, lora):
+    settings = dict(lora_rank=8) if lora else {}
+    with placed(cpu_pool, tiny_model, 2, "hf", policy_cls=BucketedPolicy, engine_cls=InspectedEngine, **settings) as (
+        policy,
+        engines,
+    ):
+        first = rollout(engines, policy, prompts)
+        train(policy, first)
+        trainer = policy.broadcast("engine_weights")[0]
+        stale = engines.broadcast("weights")[0]
+        assert sum(not torch.equal(stale[name], tensor.to(stale[name].dtype)) for name, tensor in trainer.items()) >= 7 * 2
+        send(policy, engines, 1, False, first[np.array([0])])
+        for engine in engines.broadcast("weights"):
+            assert set(engine) == set(trainer)
+            for name, tensor in trainer.items():
+                torch.testing.assert_close(engine[name], tensor.to(engine[name].dtype), rtol=0, atol=0)
+
+
+def test_an_engine_apart_that_misses_a_weight_stops_the_run(cpu_pool, tiny_model):
+    with placed(cpu_pool, tiny_model, 1, "hf", policy_cls=BucketedPolicy) as (policy, engines):
+        receive = engines.submit("receive_weights", 1, [1, 2, 3], 1)
+        policy.broadcast("send_weights_without", "model.norm.weight")
+        with pytest.raises(RuntimeError, match=r"received no weights for \['model.norm.weight'\]"):
+            receive.result()
 
 
 ASYNC = ["--num-workers", "1", "--rollout-workers", "1", *VLLM_FP32]

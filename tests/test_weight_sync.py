@@ -5,6 +5,7 @@ tests/test_vllm.py sends the same to the real vLLM engine and checks what it the
 """
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -13,8 +14,17 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 from common.fsdp_worker import attention_implementation
-from common.weight_sync import ADAPTER, engine_adapter, engine_weights
-from common.worker_group import WorkerGroup
+from common.weight_sync import (
+    ADAPTER,
+    bucket_plan,
+    engine_adapter,
+    engine_weights,
+    join_group,
+    layout_of,
+    received_tensors,
+    send_tensors,
+)
+from common.worker_group import WorkerGroup, _free_port
 from test_workers import PolicyProbe, local_model
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -117,3 +127,34 @@ def test_adapter_sync_is_a_peft_adapter(lora_probe, tiny_model, tmp_path):
 
 def test_attention_falls_back_to_sdpa_without_a_gpu():
     assert attention_implementation(torch.device("cpu")) == "sdpa"
+
+
+def test_buckets_carry_every_tensor_bit_for_bit_to_every_engine():
+    generator = torch.Generator().manual_seed(0)
+    sent = [
+        ("embed", torch.randn(40, 16, generator=generator)),  # 2560 bytes: alone, larger than a bucket
+        ("norm", torch.randn(5, generator=generator)),
+        ("half", torch.randn(3, 7, generator=generator).to(torch.bfloat16)),  # odd byte counts: the next starts aligned
+        ("count", torch.tensor(3, dtype=torch.int64)),
+        ("empty", torch.empty(0, 4)),
+        ("head", torch.randn(9, 9, generator=generator)),
+    ]
+    bucket_bytes = 1024
+    plans = bucket_plan(layout_of(sent), bucket_bytes)
+    assert [[index for index, _ in bucket] for bucket in plans] == [[0], [1, 2, 3, 4, 5]]
+    address, cpu = ("127.0.0.1", _free_port()), torch.device("cpu")
+
+    def receive(rank):
+        return [(name, tensor.clone()) for name, tensor in received_tensors(join_group(address, rank, 3, cpu), cpu)]
+
+    def send():
+        send_tensors(join_group(address, 0, 3, cpu), sent, cpu, bucket_bytes)
+
+    with ThreadPoolExecutor(3) as threads:
+        calls = [threads.submit(send), threads.submit(receive, 1), threads.submit(receive, 2)]
+        received = [call.result(timeout=60) for call in calls[1:]]
+    for engine in received:
+        assert [name for name, _ in engine] == [name for name, _ in sent]
+        for (_, got), (_, expected) in zip(engine, sent):
+            assert got.dtype == expected.dtype and got.shape == expected.shape
+            assert torch.equal(got, expected)
