@@ -59,8 +59,8 @@ def save_checkpoint(run_dir: Path, step: int, groups: dict, driver_state: dict, 
         shutil.rmtree(scratch, ignore_errors=True)  # the space a full disk needs to take the next one
         if isinstance(error, WorkerDied):
             raise
-        # a worker's error comes wrapped in Ray's, whose text is the worker's traceback
-        raise CheckpointNotWritten(step, str(getattr(error, "cause", None) or error)) from error
+        # a worker's error comes wrapped in Ray's, whose text is the worker's traceback: its last line says what
+        raise CheckpointNotWritten(step, str(error).strip().splitlines()[-1]) from error
     if final.exists():
         shutil.rmtree(final)
     os.rename(scratch, final)
