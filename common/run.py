@@ -296,9 +296,11 @@ class Run:
         from common.worker_group import WorkerDied
 
         if isinstance(error, WorkerDied):
-            what = f"the {error}: {self._likely_cause(error)}"
+            what = f"the {error}: {likely_cause(error)}"
         elif isinstance(error, CheckpointNotWritten):
             what = f"{error}; free some space (or lower --keep-last)"
+        elif isinstance(error, KeyboardInterrupt) and self.stop is None:
+            what = "stopped by Ctrl-C while the run started"
         elif isinstance(error, KeyboardInterrupt):
             what = "stopped at once by a second Ctrl-C or SIGTERM: the step under way is lost"
         else:
@@ -310,15 +312,6 @@ class Run:
         else:
             where = f"the last complete checkpoint is {checkpoint} (step {checkpoint.name.removeprefix('step_')})"
         print(f"\n{what}\n{where}\ncontinue with:\n  {resume_command()}", file=sys.stderr, flush=True)
-
-    def _likely_cause(self, error) -> str:
-        if not error.out_of_memory:
-            return "killed (SIGKILL, by hand or by the system's out-of-memory killer) or crashed; its log is in Ray's logs"
-        lower = {
-            "update": "--micro-batch-size (or --micro-batch-tokens), or pass --gradient-checkpointing",
-            "generate": "--max-response-length or --train-batch-size, or pass --offload with vllm on GPUs",
-        }.get(error.method, "--micro-batch-size or --log-prob-chunk-tokens")
-        return f"its machine ran out of memory; lower {lower}"
 
     def finish(self) -> None:
         """Report, export the policy (unless stopped early), and release the workers."""
@@ -340,6 +333,17 @@ class Run:
             group.shutdown()
         if self.pool is not None:
             self.pool.shutdown()
+
+
+def likely_cause(error) -> str:
+    """Why a worker died (a WorkerDied), and what to do when it was memory."""
+    if not error.out_of_memory:
+        return "killed (SIGKILL, by hand or by the system's out-of-memory killer) or crashed; its log is in Ray's logs"
+    lower = {
+        "update": "--micro-batch-size (or --micro-batch-tokens), or pass --gradient-checkpointing",
+        "generate": "--max-response-length or --train-batch-size, or pass --offload with vllm on GPUs",
+    }.get(error.method, "--micro-batch-size or --log-prob-chunk-tokens")
+    return f"to need less memory, lower {lower}"
 
 
 def resume_command() -> str:

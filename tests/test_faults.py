@@ -121,3 +121,15 @@ def test_a_full_disk_keeps_the_previous_checkpoint(uninterrupted, small_disk):
     assert not list((run_dir / "checkpoints").glob(".*"))  # the half-written one is gone
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)  # the user frees space
     continue_as_told(stderr, small_disk, uninterrupted)
+
+
+def test_a_worker_stopped_by_rays_memory_monitor_names_the_flags_that_lower_memory():
+    # Ray's memory monitor is not safe to set off on a shared test machine: the message alone
+    from common.run import likely_cause
+    from common.worker_group import WorkerDied
+
+    update = WorkerDied("policy", 0, "update", out_of_memory=True)
+    assert "Ray's memory monitor stopped it" in str(update)
+    assert "--micro-batch-size" in likely_cause(update) and "--gradient-checkpointing" in likely_cause(update)
+    assert "--log-prob-chunk-tokens" in likely_cause(WorkerDied("policy", 0, "compute_log_prob", out_of_memory=True))
+    assert "killed (SIGKILL" in likely_cause(WorkerDied("critic", 1, "compute_values", out_of_memory=False))
