@@ -33,16 +33,34 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.removeprefix("step_")))
 
 
+class CheckpointNotWritten(RuntimeError):
+    """A checkpoint's write failed (a full disk...); its scratch folder is removed, the previous checkpoint stays the last."""
+
+    def __init__(self, step: int, reason: str):
+        self.step = step
+        super().__init__(f"the checkpoint of step {step} could not be written: {reason}")
+
+
 def save_checkpoint(run_dir: Path, step: int, groups: dict, driver_state: dict, keep_last: int) -> Path:
+    from common.worker_group import WorkerDied
+
     final = Path(run_dir) / "checkpoints" / f"step_{step}"
     scratch = final.with_name(f".{final.name}.partial")
-    shutil.rmtree(scratch, ignore_errors=True)
-    scratch.mkdir(parents=True)
-    for name, group in groups.items():
-        group.broadcast("save", str(scratch / name))
-    rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    shutil.copy(Path(run_dir) / "config.json", scratch / "config.json")
-    torch.save({"step": step, "rng": rng, **driver_state}, scratch / "driver.pt")  # written last: marks the checkpoint whole
+    for stale in final.parent.glob(".step_*.partial"):  # left by a run killed mid-save
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        scratch.mkdir(parents=True)
+        for name, group in groups.items():
+            group.broadcast("save", str(scratch / name))
+        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+        shutil.copy(Path(run_dir) / "config.json", scratch / "config.json")
+        torch.save({"step": step, "rng": rng, **driver_state}, scratch / "driver.pt")  # written last: marks it whole
+    except Exception as error:
+        shutil.rmtree(scratch, ignore_errors=True)  # the space a full disk needs to take the next one
+        if isinstance(error, WorkerDied):
+            raise
+        # a worker's error comes wrapped in Ray's, whose text is the worker's traceback: its last line says what
+        raise CheckpointNotWritten(step, str(error).strip().splitlines()[-1]) from error
     if final.exists():
         shutil.rmtree(final)
     os.rename(scratch, final)

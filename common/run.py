@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import sys
 import time
 
@@ -50,6 +51,8 @@ class Run:
         # Everything that can be wrong with the input fails here, before any worker starts.
         self.algo, self.args = algo, args
         check_args(args)
+        self.run_prefix = f"{algo}__{args.exp_name}__{args.seed}"
+        sys.excepthook = self._report_stop
         torch.manual_seed(args.seed)
         args.model_path = resolve_model(args.model_path)
         if args.sequence_parallel > 1:
@@ -74,17 +77,16 @@ class Run:
             )
         train_loader = PromptLoader(train_data, batch_size, pad_token_id, shuffle=True, seed=args.seed)
         self.val_loader = PromptLoader(val_data, args.val_batch_size, pad_token_id, shuffle=False, drop_last=False)
-        run_prefix = f"{algo}__{args.exp_name}__{args.seed}"
-        self.resume_from = find_checkpoint(args.resume, "runs", run_prefix)
+        self.resume_from = find_checkpoint(args.resume, "runs", self.run_prefix)
         if self.resume_from is not None:
             check_config(self.resume_from, args, args.force_resume)
         elif args.resume == "auto":
-            print(f"--resume auto: no checkpoint of runs/{run_prefix}__* yet, so this run starts from step 1")
+            print(f"--resume auto: no checkpoint of runs/{self.run_prefix}__* yet, so this run starts from step 1")
         wandb = dict(wandb_project=args.wandb_project_name, wandb_entity=args.wandb_entity) if args.track else {}
         script = sys.argv[0] if sys.argv[0].endswith(".py") else None
         # the code that made the curve, and in wandb the experiment's group with the algorithm as a tag
         provenance = dict(script=script, group=args.exp_name, tags=(algo,))
-        self.tracker = Tracker(run_prefix, dataclasses.asdict(args), self.resume_from, **wandb, **provenance)
+        self.tracker = Tracker(self.run_prefix, dataclasses.asdict(args), self.resume_from, **wandb, **provenance)
 
         reward_workers = args.reward_workers
         if reward_workers is None:
@@ -287,6 +289,30 @@ class Run:
         peaks = [value for key, value in metrics.items() if key.startswith("perf/peak_memory_gb/")]
         metrics["perf/peak_memory_gb"] = max(peaks, default=0.0)
 
+    def _report_stop(self, kind, error, traceback) -> None:
+        """A fault mid-run as one message: what happened, where the run stands and the command that continues it.
+        (sys.excepthook: Ray's screens of traceback for a dead worker say no more, and hide the way back.)"""
+        from common.checkpoint import CheckpointNotWritten, find_checkpoint
+        from common.worker_group import WorkerDied
+
+        if isinstance(error, WorkerDied):
+            what = f"the {error}: {likely_cause(error)}"
+        elif isinstance(error, CheckpointNotWritten):
+            what = f"{error}; free some space (or lower --keep-last)"
+        elif isinstance(error, KeyboardInterrupt) and self.stop is None:
+            what = "stopped by Ctrl-C while the run started"
+        elif isinstance(error, KeyboardInterrupt):
+            what = "stopped at once by a second Ctrl-C or SIGTERM: the step under way is lost"
+        else:
+            sys.__excepthook__(kind, error, traceback)
+            return
+        checkpoint = find_checkpoint("auto", "runs", self.run_prefix)
+        if checkpoint is None:
+            where = "no complete checkpoint yet: the command below starts the run again from step 1"
+        else:
+            where = f"the last complete checkpoint is {checkpoint} (step {checkpoint.name.removeprefix('step_')})"
+        print(f"\n{what}\n{where}\ncontinue with:\n  {resume_command()}", file=sys.stderr, flush=True)
+
     def finish(self) -> None:
         """Report, export the policy (unless stopped early), and release the workers."""
         if self.first_val is not None:
@@ -296,7 +322,7 @@ class Run:
         run_dir = self.tracker.run_dir
         print(f"metrics and checkpoints in {run_dir}")
         if self.stop is not None and self.stop.requested:
-            print(f"stopped after step {self.last_step}; continue with the same command and --resume auto")
+            print(f"stopped after step {self.last_step}; continue with:\n  {resume_command()}")
         else:
             self.groups["policy"].broadcast("export", str(run_dir / "model"), adapter_only=self.args.export_adapter_only)
             print(f"the trained policy, as a Hugging Face model folder: {run_dir / 'model'}")
@@ -307,6 +333,26 @@ class Run:
             group.shutdown()
         if self.pool is not None:
             self.pool.shutdown()
+
+
+def likely_cause(error) -> str:
+    """Why a worker died (a WorkerDied), and what to do when it was memory."""
+    if not error.out_of_memory:
+        return "killed (SIGKILL, by hand or by the system's out-of-memory killer) or crashed; its log is in Ray's logs"
+    lower = {
+        "update": "--micro-batch-size (or --micro-batch-tokens), or pass --gradient-checkpointing",
+        "generate": "--max-response-length or --train-batch-size, or pass --offload with vllm on GPUs",
+    }.get(error.method, "--micro-batch-size or --log-prob-chunk-tokens")
+    return f"to need less memory, lower {lower}"
+
+
+def resume_command() -> str:
+    """The command line that started this process, with --resume auto instead of any --resume it had."""
+    argv = list(sys.orig_argv)
+    if "--resume" in argv:
+        at = argv.index("--resume")
+        del argv[at : at + 2]
+    return shlex.join([*(arg for arg in argv if not arg.startswith("--resume=")), "--resume", "auto"])
 
 
 def init_ray() -> None:

@@ -22,7 +22,13 @@ from common.layouts import balanced_parts, same_prompts
 
 
 class WorkerDied(RuntimeError):
-    pass
+    """Rank `rank` of the group `group` died during `method`; `out_of_memory`: Ray's memory monitor stopped it (its
+    machine was short of memory), else its process ended otherwise (killed, or crashed)."""
+
+    def __init__(self, group: str, rank: int, method: str, out_of_memory: bool):
+        self.group, self.rank, self.method, self.out_of_memory = group, rank, method, out_of_memory
+        cause = "Ray's memory monitor stopped it, its machine short of memory" if out_of_memory else "its process ended"
+        super().__init__(f"{group} worker rank {rank} died during '{method}' ({cause})")
 
 
 def _died() -> tuple[type[BaseException], ...]:
@@ -30,6 +36,12 @@ def _died() -> tuple[type[BaseException], ...]:
     import ray
 
     return (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError)
+
+
+def _worker_died(group: str, rank: int, method: str, error: BaseException) -> WorkerDied:
+    import ray
+
+    return WorkerDied(group, rank, method, out_of_memory=isinstance(error, ray.exceptions.OutOfMemoryError))
 
 
 def _free_port() -> int:
@@ -146,7 +158,7 @@ class WorkerGroup:
             try:
                 results[rank_of[ready]] = ray.get(ready)
             except _died() as error:
-                raise WorkerDied(f"{self.name} worker rank {rank_of[ready]} died during '{method}'") from error
+                raise _worker_died(self.name, rank_of[ready], method, error) from error
         return results
 
     def broadcast(self, method: str, *args, **kwargs) -> list:
@@ -232,6 +244,5 @@ def wait_all(*calls: Pending) -> list:
         try:
             ray.get(ready)
         except _died() as error:
-            rank = call.refs.index(ready)
-            raise WorkerDied(f"{call.group.name} worker rank {rank} died during '{call.method}'") from error
+            raise _worker_died(call.group.name, call.refs.index(ready), call.method, error) from error
     return [call.result() for call in calls]

@@ -1,0 +1,135 @@
+"""Faults in the middle of a run, caused for real: each ends with one message that names the last complete checkpoint
+and the command that continues the run, and that command ends where a run never interrupted ends."""
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common.checkpoint import complete_checkpoints
+from test_long_runs import comparable, metric_rows, run_script, start_script, wait_for_steps
+
+STEPS = ["--total-steps", "4", "--save-freq", "1", "--keep-last", "1"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_cluster, demo_files, tmp_path_factory):
+    """The metrics and the exported weights of the run that the interrupted ones must end up as."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    code, _, stderr = run_script(*STEPS, cwd=folder)
+    assert code == 0, stderr[-3000:]
+    [run_dir] = (folder / "runs").iterdir()
+    return metric_rows(run_dir), load_file(run_dir / "model" / "model.safetensors")
+
+
+def ray_workers(since: float) -> list[psutil.Process]:
+    """The Ray actors started since `since` (the tests share one Ray cluster)."""
+    return [
+        p
+        for p in psutil.process_iter(["cmdline", "create_time"])
+        if (p.info["cmdline"] or [""])[0].startswith("ray::") and "Worker" in p.info["cmdline"][0]
+        and p.info["create_time"] >= since - 1
+    ]  # fmt: skip
+
+
+def continue_as_told(stderr: str, cwd, uninterrupted) -> None:
+    """Check the message, run the command it gives, and compare the run's end with the uninterrupted one's."""
+    [checkpoint] = re.findall(r"the last complete checkpoint is (\S+/checkpoints/step_\d+) \(step \d+\)", stderr)
+    [command] = re.findall(r"continue with:\n  (.+)\n", stderr)
+    assert command.endswith(" --resume auto") and "Traceback" not in stderr
+    continues(command, checkpoint, cwd, uninterrupted)
+
+
+def continues(command: str, checkpoint: str, cwd, uninterrupted) -> None:
+    resumed = subprocess.run(command, shell=True, cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {checkpoint}" in resumed.stdout
+    run_dir = next((cwd / "runs").iterdir())
+    rows, weights = uninterrupted
+    assert [comparable(r) for r in metric_rows(run_dir)] == [comparable(r) for r in rows]
+    exported = load_file(run_dir / "model" / "model.safetensors")
+    assert all(torch.equal(exported[name], weights[name]) for name in weights)
+
+
+def test_a_killed_policy_worker_names_the_checkpoint_and_the_command(uninterrupted, tmp_path):
+    started = time.time()
+    process = start_script(*STEPS, cwd=tmp_path)
+    wait_for_steps(tmp_path, 2, process)
+    workers = [p for p in ray_workers(started) if "PolicyWorker" in p.info["cmdline"][0]]
+    assert workers
+    workers[-1].kill()
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode != 0
+    assert re.search(r"the policy worker rank \d died during '\w+' \(its process ended\): killed \(SIGKILL", stderr)
+    continue_as_told(stderr, tmp_path, uninterrupted)
+    assert not [p for p in ray_workers(started) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_killed_driver_leaves_no_worker_and_resumes(uninterrupted, tmp_path):
+    started = time.time()
+    process = start_script(*STEPS, cwd=tmp_path)
+    wait_for_steps(tmp_path, 2, process)
+    workers = ray_workers(started)
+    assert workers
+    process.kill()
+    process.communicate(timeout=60)
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive, [p.info["cmdline"][0] for p in alive]
+    # a driver killed has no chance to say where the run stands: the same command with --resume auto takes the last
+    last = complete_checkpoints(next((tmp_path / "runs").iterdir()))[-1]
+    continues(shlex.join([*process.args, "--resume", "auto"]), str(last.resolve()), tmp_path, uninterrupted)
+
+
+def test_ctrl_c_twice_stops_at_once_and_resumes(uninterrupted, tmp_path):
+    process = start_script(*STEPS, cwd=tmp_path)
+    wait_for_steps(tmp_path, 2, process)
+    os.killpg(process.pid, signal.SIGINT)
+    time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode != 0
+    assert "stopped at once by a second Ctrl-C or SIGTERM: the step under way is lost" in stderr
+    continue_as_told(stderr, tmp_path, uninterrupted)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A folder on a filesystem of its own that the test can enlarge: 2 MB, where a checkpoint of the tiny model takes
+    1.4 MB. Skipped where mounting is not allowed."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(folder)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield folder
+    subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint(uninterrupted, small_disk):
+    # --keep-last 1: the disk holds one checkpoint and the metrics, not a second checkpoint beside them
+    code, _, stderr = run_script(*STEPS, cwd=small_disk)
+    assert code != 0
+    assert re.search(r"the checkpoint of step (\d+) could not be written: .*No space left on device", stderr), stderr[-3000:]
+    [run_dir] = (small_disk / "runs").iterdir()
+    assert len(complete_checkpoints(run_dir)) == 1
+    assert not list((run_dir / "checkpoints").glob(".*"))  # the half-written one is gone
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)  # the user frees space
+    continue_as_told(stderr, small_disk, uninterrupted)
+
+
+def test_a_worker_stopped_by_rays_memory_monitor_names_the_flags_that_lower_memory():
+    # Ray's memory monitor is not safe to set off on a shared test machine: the message alone
+    from common.run import likely_cause
+    from common.worker_group import WorkerDied
+
+    update = WorkerDied("policy", 0, "update", out_of_memory=True)
+    assert "Ray's memory monitor stopped it" in str(update)
+    assert "--micro-batch-size" in likely_cause(update) and "--gradient-checkpointing" in likely_cause(update)
+    assert "--log-prob-chunk-tokens" in likely_cause(WorkerDied("policy", 0, "compute_log_prob", out_of_memory=True))
+    assert "killed (SIGKILL" in likely_cause(WorkerDied("critic", 1, "compute_values", out_of_memory=False))
