@@ -20,16 +20,16 @@ from common.pretrained import cache_root, resolve
 from common.workers import PolicyWorker
 
 RANDOM_MODELS = {
-    "qwen2.5-1.5b-shape": dict(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        max_position_embeddings=32768,
-        tie_word_embeddings=True,
-    ),
+    "qwen2.5-1.5b-shape": {
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": True,
+    },
 }
 
 

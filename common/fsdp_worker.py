@@ -11,14 +11,15 @@ from __future__ import annotations
 import math
 import os
 from collections import defaultdict
+from typing import ClassVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from common.dataproto import DataProto
-from common.loading import fill_shards, init_missing, replay_lora_init, safetensors_files
 from common.layouts import Layout, balanced_parts, part_loads, response_outputs
+from common.loading import fill_shards, init_missing, replay_lora_init, safetensors_files
 from common.rollout import machine_memory_bytes
 from common.sequence_parallel import register as register_sequence_parallel
 from common.worker_group import Worker
@@ -137,7 +138,7 @@ class FSDPWorker(Worker):
         np.random.seed(seed + self.rank)
 
     auto_model = "AutoModelForCausalLM"  # the transformers class that builds the model from its folder
-    model_kwargs: dict = {}  # what its config takes beyond the folder's
+    model_kwargs: ClassVar[dict] = {}  # what its config takes beyond the folder's
 
     def _from_pretrained(self, model_path: str, empty: bool = False, **kwargs):
         """The model of `model_path` with its weights, or with `empty` built on the meta device without them."""
@@ -158,7 +159,7 @@ class FSDPWorker(Worker):
         """The model on the meta device, its weights to be read by _shard, each rank only its shards (common/loading.py);
         from a folder without safetensors files, loaded whole on every rank instead, as torch.load reads a .bin."""
         # fp32 master weights; FSDP2 casts them to the compute dtype as it gathers them.
-        settings = dict(dtype=torch.float32, attn_implementation=self.attention)
+        settings = {"dtype": torch.float32, "attn_implementation": self.attention}
         checkpoint = safetensors_files(model_path)
         if checkpoint is None:
             if self.rank == 0:
@@ -192,12 +193,12 @@ class FSDPWorker(Worker):
         for param in replicated:  # (on the meta device until fill_shards reads them)
             param.data = param.data.to("meta" if param.is_meta else self.device, self.compute_dtype)
         mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
-        options = dict(
-            mesh=self.mesh,
-            mp_policy=mp,
-            offload_policy=CPUOffloadPolicy() if offload and on_gpu else OffloadPolicy(),
-            ignored_params=set(replicated),
-        )
+        options = {
+            "mesh": self.mesh,
+            "mp_policy": mp,
+            "offload_policy": CPUOffloadPolicy() if offload and on_gpu else OffloadPolicy(),
+            "ignored_params": set(replicated),
+        }
         layers, size = [], 0
         for module in list(model.modules()):
             if type(module).__name__ in self.layer_classes:
