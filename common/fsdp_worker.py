@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections import defaultdict
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from common.dataproto import DataProto
 from common.layouts import Layout, balanced_parts, part_loads, response_outputs
+from common.loading import fill_shards, init_missing, replay_lora_init, safetensors_files
 from common.rollout import machine_memory_bytes
 from common.sequence_parallel import register as register_sequence_parallel
 from common.update_metrics import MAX, MIN, accumulate
@@ -93,7 +95,7 @@ class FSDPWorker(Worker):
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.lora:
-            model = self._add_lora(model)
+            model = self._with_lora(model)
         frozen = {p for p in model.parameters() if not p.requires_grad} if self.lora else set()
         if replicate_frozen is None:
             replicate_frozen = frozen_weights_fit(frozen, self.compute_dtype, self.device, self.world_size)
@@ -136,14 +138,51 @@ class FSDPWorker(Worker):
         torch.manual_seed(seed + self.rank)
         np.random.seed(seed + self.rank)
 
+    auto_model = "AutoModelForCausalLM"  # the transformers class that builds the model from its folder
+    model_kwargs: ClassVar[dict] = {}  # what its config takes beyond the folder's
+
+    def _from_pretrained(self, model_path: str, empty: bool = False, **kwargs):
+        """The model of `model_path` with its weights, or with `empty` built on the meta device without them."""
+        import transformers
+
+        auto = getattr(transformers, self.auto_model)
+        if not empty:
+            return self._checked(auto.from_pretrained(model_path, **self.model_kwargs, **kwargs), model_path)
+        config = transformers.AutoConfig.from_pretrained(model_path, **self.model_kwargs)
+        with torch.device("meta"):
+            return self._checked(auto.from_config(config, **kwargs), model_path)
+
+    def _checked(self, model, model_path: str):
+        """`model`, once it is the kind of model this worker needs (a subclass says what it requires)."""
+        return model
+
     def _load(self, model_path: str):
+        """The model on the meta device, its weights to be read by _shard, each rank only its shards (common/loading.py);
+        from a folder without safetensors files, loaded whole on every rank instead, as torch.load reads a .bin."""
         # fp32 master weights; FSDP2 casts them to the compute dtype as it gathers them.
-        model = self._from_pretrained(model_path, dtype=torch.float32, attn_implementation=self.attention)
+        settings = {"dtype": torch.float32, "attn_implementation": self.attention}
+        checkpoint = safetensors_files(model_path)
+        if checkpoint is None:
+            if self.rank == 0:
+                print(f"{type(self).__name__}: {model_path} has no safetensors files: every rank loads the whole model")
+            model = self._from_pretrained(model_path, **settings)
+        else:
+            model = self._from_pretrained(model_path, empty=True, **settings)
+            init_missing(model, checkpoint)
         # RL compares log-probs of the same tokens across passes: dropout would make
         # the first importance ratio differ from 1.
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
+        return model
+
+    def _with_lora(self, model):
+        """`model` with its LoRA adapter; on the meta device, with the values PEFT draws for it on the CPU."""
+        rng = torch.get_rng_state()
+        model = self._add_lora(model)
+        if any(p.is_meta for p in model.parameters()):
+            torch.set_rng_state(rng)
+            replay_lora_init(model)
         return model
 
     def _shard(self, model, offload: bool = False, replicated: set[torch.nn.Parameter] = frozenset()):
@@ -152,15 +191,15 @@ class FSDPWorker(Worker):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         on_gpu = self.device.type == "cuda"
-        for param in replicated:
-            param.data = param.data.to(self.device, self.compute_dtype)
+        for param in replicated:  # (on the meta device until fill_shards reads them)
+            param.data = param.data.to("meta" if param.is_meta else self.device, self.compute_dtype)
         mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
-        options = dict(
-            mesh=self.mesh,
-            mp_policy=mp,
-            offload_policy=CPUOffloadPolicy() if offload and on_gpu else OffloadPolicy(),
-            ignored_params=set(replicated),
-        )
+        options = {
+            "mesh": self.mesh,
+            "mp_policy": mp,
+            "offload_policy": CPUOffloadPolicy() if offload and on_gpu else OffloadPolicy(),
+            "ignored_params": set(replicated),
+        }
         layers, size = [], 0
         for module in list(model.modules()):
             if type(module).__name__ in self.layer_classes:
@@ -170,6 +209,8 @@ class FSDPWorker(Worker):
                     fully_shard(layers, **options)
                     layers, size = [], 0
         fully_shard(model, **options)  # the root: embeddings, norm and head, with the layers left over
+        if any(p.is_meta for p in model.parameters()):
+            fill_shards(model, safetensors_files(self.model_path), self.rank, self.world_size)
         return model
 
     def _build_optimizer(self, lr: float, weight_decay: float, warmup_steps: int, decay_steps: int) -> None:

@@ -70,11 +70,6 @@ class PolicyWorker(FSDPWorker, EngineWorker):
     trains = True  # else its rollout engine keeps the weights it loaded, never sent the model's
     weight_bucket_bytes = weight_sync.BUCKET_BYTES
 
-    def _from_pretrained(self, model_path: str, **kwargs):
-        from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
-
     def _add_lora(self, model):
         return lora_model(model, *self.lora_settings, "CAUSAL_LM")
 
@@ -272,10 +267,8 @@ class CriticWorker(FSDPWorker):
 
     language_model = False
 
-    def _from_pretrained(self, model_path: str, **kwargs):
-        from transformers import AutoModelForTokenClassification
-
-        return AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, **kwargs)
+    auto_model = "AutoModelForTokenClassification"
+    model_kwargs = {"num_labels": 1}
 
     def _add_lora(self, model):
         # The value head is new: it trains in full beside the adapter.
@@ -307,10 +300,9 @@ class RewardModelWorker(FSDPWorker):
     language_model = False
     packs = False  # it reads each sequence's last token from the padded rectangle
 
-    def _from_pretrained(self, model_path: str, **kwargs):
-        from transformers import AutoModelForSequenceClassification
+    auto_model = "AutoModelForSequenceClassification"
 
-        model = AutoModelForSequenceClassification.from_pretrained(model_path, **kwargs)
+    def _checked(self, model, model_path: str):
         if model.config.num_labels != 1 or not isinstance(getattr(model, "score", None), torch.nn.Linear):
             raise ValueError(
                 f"--reward-model {model_path}: a reward model is a ...ForSequenceClassification with one label and a "
