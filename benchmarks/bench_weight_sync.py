@@ -123,7 +123,8 @@ def main():
     median = statistics.median(seconds[1:])
     print(
         f"{args.model}, vLLM {args.rollout_dtype}, {args.num_workers} policy ranks: {median:.3f} s per sync of "
-        f"{sent / 1e6:.1f}M parameters, {median / sent * 1e9:.2f} s per billion (syncs: {', '.join(f'{s:.3f}' for s in seconds)})"
+        f"{sent / 1e6:.1f}M parameters, {median / sent * 1e9:.2f} s per billion "
+        f"(syncs: {', '.join(f'{s:.3f}' for s in seconds)})"
     )
     engine.shutdown()
     policy.shutdown()

@@ -16,7 +16,7 @@ from common.rollout import response_batch
 from common.worker_group import WorkerGroup
 from common.workers import JudgeWorker
 
-TEMPLATE_FILE = str(Path(__file__).resolve().parents[1] / "examples" / "judge" / "correct_answer.txt")  # the example of docs/rewards.md
+TEMPLATE_FILE = str(Path(__file__).resolve().parents[1] / "examples" / "judge" / "correct_answer.txt")  # docs/rewards.md's
 TEMPLATE = load_template(TEMPLATE_FILE)
 
 

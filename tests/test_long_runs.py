@@ -361,7 +361,7 @@ def test_resume_auto_with_nothing_to_resume_and_validation_on_the_training_promp
 
 
 def test_a_script_joins_a_cluster_started_by_ray_start_with_token_authentication(demo_files, tmp_path):
-    """The multi-node path of docs/several-nodes.md as typed: `ray start --head`, then `RAY_ADDRESS=HEAD:PORT python ...`, nothing else.
+    """docs/several-nodes.md's path as typed: `ray start --head`, then `RAY_ADDRESS=HEAD:PORT python ...`, nothing else.
 
     A local Ray (2.59 and later) leaves a token in ~/.ray/auth_token; `ray start` then turns token authentication on
     for the cluster, which refuses a driver that is not in token mode."""
