@@ -39,21 +39,19 @@ from common.workers import PolicyWorker  # noqa: E402
 VOCAB = 32000
 
 
-def build_model(path: str) -> None:
-    """A Qwen2 of 8 layers (head size 64, grouped KV), a 32k word-level tokenizer, random weights."""
+def build_model(path: str, dtype: torch.dtype = torch.float32, **shape) -> None:
+    """A Qwen2 of 8 layers (head size 64, grouped KV), a 32k word-level tokenizer, random weights; `shape` overrides
+    the configuration (another model's sizes)."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    shape = dict(vocab_size=VOCAB, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8) | shape
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, shape["vocab_size"])}}
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>")), pad_token="<pad>", eos_token="<eos>"
     )
     config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=512,
-        intermediate_size=1408,
-        num_hidden_layers=8,
-        num_attention_heads=8,
+        **shape,
         num_key_value_heads=2,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
@@ -62,10 +60,17 @@ def build_model(path: str) -> None:
         bos_token_id=None,
     )
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
+    torch.set_default_dtype(dtype)
+    try:
+        model = Qwen2ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, vocabulary {VOCAB}, 8 layers")
+    print(
+        f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, vocabulary {shape['vocab_size']}, "
+        f"{shape['num_hidden_layers']} layers"
+    )
 
 
 class TimedPolicy(PolicyWorker):

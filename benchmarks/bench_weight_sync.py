@@ -29,40 +29,6 @@ from common.workers import PolicyWorker, RolloutWorker  # noqa: E402
 PROBE = [2, 3]  # the probe scored after each sync: as short as it gets, since it is not what is timed
 
 
-def build_qwen_1_5b_shape(path: str) -> None:
-    """Qwen2.5-1.5B's configuration (28 layers, hidden 1536, tied embeddings, 151,936 words), random bf16 weights."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    vocab_size = 151936
-    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>")), pad_token="<pad>", eos_token="<eos>"
-    )
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-        dtype=torch.bfloat16,
-    )
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        model = Qwen2ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(torch.float32)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-
-
 def model_path(name: str) -> str:
     if name == "smollm2":
         from common import pretrained
@@ -73,13 +39,15 @@ def model_path(name: str) -> str:
         from common.demo import build_tiny_model
 
         build_tiny_model(path)
-    elif name == "38.9m":
+    else:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from bench_rollout import build_model
 
-        build_model(path)
-    else:
-        build_qwen_1_5b_shape(path)
+        if name == "38.9m":
+            build_model(path)
+        else:  # Qwen2.5-1.5B's configuration: 28 layers, hidden 1536, tied embeddings, 151,936 words
+            qwen_1_5b = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28)
+            build_model(path, torch.bfloat16, num_attention_heads=12, **qwen_1_5b)
     return path
 
 
