@@ -36,9 +36,11 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
 class CheckpointNotWritten(RuntimeError):
     """A checkpoint's write failed (a full disk...); its scratch folder is removed, the previous checkpoint stays the last."""
 
-    def __init__(self, step: int, reason: str):
+    def __init__(self, step: int, free_bytes: int, folder: Path, reason: str):
         self.step = step
-        super().__init__(f"the checkpoint of step {step} could not be written: {reason}")
+        # the free space says whether the disk filled up: the writer's own error may not (torch.save's zip writer)
+        free = f"{free_bytes / 1e6:.1f} MB free on the disk of {folder}"
+        super().__init__(f"the checkpoint of step {step} could not be written ({free}): {reason}")
 
 
 def save_checkpoint(run_dir: Path, step: int, groups: dict, driver_state: dict, keep_last: int) -> Path:
@@ -56,11 +58,12 @@ def save_checkpoint(run_dir: Path, step: int, groups: dict, driver_state: dict, 
         shutil.copy(Path(run_dir) / "config.json", scratch / "config.json")
         torch.save({"step": step, "rng": rng, **driver_state}, scratch / "driver.pt")  # written last: marks it whole
     except Exception as error:
+        free_bytes = shutil.disk_usage(final.parent).free
         shutil.rmtree(scratch, ignore_errors=True)  # the space a full disk needs to take the next one
         if isinstance(error, WorkerDied):
             raise
         # a worker's error comes wrapped in Ray's, whose text is the worker's traceback: its last line says what
-        raise CheckpointNotWritten(step, str(error).strip().splitlines()[-1]) from error
+        raise CheckpointNotWritten(step, free_bytes, final.parent, str(error).strip().splitlines()[-1]) from error
     if final.exists():
         shutil.rmtree(final)
     os.rename(scratch, final)
