@@ -210,7 +210,8 @@ class FSDPWorker(Worker):
                     layers, size = [], 0
         fully_shard(model, **options)  # the root: embeddings, norm and head, with the layers left over
         if any(p.is_meta for p in model.parameters()):
-            fill_shards(model, safetensors_files(self.model_path), self.rank, self.world_size)
+            files = safetensors_files(self.model_path)
+            fill_shards(model, files, self.rank, self.world_size, self.device, offloaded=offload and on_gpu)
         return model
 
     def _build_optimizer(self, lr: float, weight_decay: float, warmup_steps: int, decay_steps: int) -> None:

@@ -79,10 +79,13 @@ def replay_lora_init(model) -> None:
 
 
 @torch.no_grad()
-def fill_shards(model, checkpoint: dict[str, str], rank: int, world_size: int) -> None:
-    """Allocate on the CPU the shards that this rank owns of `model`'s meta weights (FSDP2 DTensors, or whole tensors
+def fill_shards(
+    model, checkpoint: dict[str, str], rank: int, world_size: int, device: torch.device, offloaded: bool = False
+) -> None:
+    """Allocate on `device` the shards that this rank owns of `model`'s meta weights (FSDP2 DTensors, or whole tensors
     outside FSDP) and read them from the files, cast to each weight's dtype; weights already materialised (see
-    init_missing, replay_lora_init) keep their values; buffers no file holds are computed."""
+    init_missing, replay_lora_init) keep their values; buffers no file holds are computed. An `offloaded` model (FSDP2's
+    CPUOffloadPolicy) keeps its parameters in host memory and its buffers on `device`, where it computes."""
     from safetensors import safe_open
 
     kept = {name: getattr(p, "to_local", lambda: p)().clone() for name, p in model.named_parameters() if not p.is_meta}
@@ -92,7 +95,11 @@ def fill_shards(model, checkpoint: dict[str, str], rank: int, world_size: int) -
         for module in model.modules()
         if any(b.is_meta for b in module.buffers(recurse=False)) and not list(module.parameters(recurse=False))
     ]
-    model.to_empty(device="cpu")
+    model.to_empty(device="cpu" if offloaded else device)
+    if offloaded:
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                setattr(module, name, buffer.to(device))
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.tie_weights()  # to_empty gives a tied weight outside FSDP a new tensor in each module that holds it
     prefix = getattr(model, "base_model_prefix", None) or model.get_base_model().base_model_prefix

@@ -165,11 +165,12 @@ class PolicyWorker(FSDPWorker, EngineWorker):
     @measured
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """Per-token log-probs under the reference: the base model (LoRA off) or the frozen copy."""
+        reference = self.model if self.lora else self.reference
         with self.model.disable_adapter() if self.lora else nullcontext():
-            log_probs, _ = self._log_probs(data, self.model if self.lora else self.reference, with_entropy=False)
-            # PEFT turns the adapter's gradients back on as it leaves: on the sharded parameters, not on the whole
-            # ones a unit holds after its forward (the root's), which FSDP drops at the next reshard.
-            self.model.reshard()
+            log_probs, _ = self._log_probs(data, reference, with_entropy=False)
+            # FSDP keeps the root's weights gathered after a forward; dropping them keeps the offloaded copy's off the
+            # device, and PEFT, as it leaves, turns the adapter's gradients back on on the sharded parameters.
+            reference.reshard()
         return DataProto.from_dict({"ref_log_probs": log_probs})
 
     def export(self, path: str, adapter_only: bool = False) -> None:
