@@ -103,7 +103,6 @@ def fill_shards(
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.tie_weights()  # to_empty gives a tied weight outside FSDP a new tensor in each module that holds it
     prefix = getattr(model, "base_model_prefix", None) or model.get_base_model().base_model_prefix
-    files = {}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         local = getattr(tensor, "to_local", lambda: tensor)()
         if name in kept:
@@ -112,16 +111,16 @@ def fill_shards(
         key = checkpoint_name(name, checkpoint, prefix)
         if key is None:
             continue
-        path = checkpoint[key]
-        if path not in files:
-            files[path] = safe_open(path, "pt")
-        stored = files[path].get_slice(key)
-        if hasattr(tensor, "to_local") and local.dim():
-            # torch.chunk's rows: ceil(rows / world size) on each rank, the last ones fewer or none
-            start = min(rank * math.ceil(tensor.shape[0] / world_size), tensor.shape[0])
-            part = stored[start : start + local.shape[0]]
-        else:
-            part = stored[:] if local.dim() else files[path].get_tensor(key)
-        local.copy_(part.to(local.dtype))
+        # A file opened once for all its weights stays mapped: the pages read from it would count in this process's
+        # resident memory until the end (the rank's share of the file again). Opened per weight, one slice at most.
+        with safe_open(checkpoint[key], "pt") as file:
+            stored = file.get_slice(key)
+            if hasattr(tensor, "to_local") and local.dim():
+                # torch.chunk's rows: ceil(rows / world size) on each rank, the last ones fewer or none
+                start = min(rank * math.ceil(tensor.shape[0] / world_size), tensor.shape[0])
+                part = stored[start : start + local.shape[0]]
+            else:
+                part = stored[:] if local.dim() else file.get_tensor(key)
+            local.copy_(part.to(local.dtype))
     for module in computed:
         base._init_weights(module)
