@@ -160,7 +160,7 @@ def rollout_corr_terms(old_log_prob, rollout_log_prob, mask, kept, level, thresh
     over micro-batches and ranks, and the extremes (*_max, *_min) that the worker keeps. The weights are --rollout-is's
     before truncation's bound is lifted, r_t where it is none. KL(pi_rollout || pi_old) by k1 and k3; each sequence's
     perplexity exp(-mean log-prob) under either policy and their log difference; chi-squared, the mean of (r - 1)^2,
-    per token and per sequence (r: the product over the response); rollout_corr_metrics finishes them."""
+    per token and per sequence (r: the product over the response); the largest r_t; rollout_corr_metrics finishes them."""
     log_ratio = rollout_log_ratio(old_log_prob, rollout_log_prob)
     ratio, valid, has_tokens = log_ratio.exp(), mask.bool(), mask.bool().any(-1)
     weights = rollout_is_weights(log_ratio, kept, level, threshold) if level != "none" else ratio
@@ -182,6 +182,7 @@ def rollout_corr_terms(old_log_prob, rollout_log_prob, mask, kept, level, thresh
         "log_ppl_diff": (-seq_log_ratio / lengths).sum() / num_seqs,
         "chi2_token": token_mean((ratio - 1).square()),
         "chi2_seq": ((seq_log_ratio.clamp(-20, 20).exp() - 1).square() * has_tokens).sum() / num_seqs,
+        "ratio_max": torch.where(valid, ratio, 0).max(),
     }
     return {ROLLOUT_CORR + key: value.detach() for key, value in terms.items()}
 
@@ -189,9 +190,13 @@ def rollout_corr_terms(old_log_prob, rollout_log_prob, mask, kept, level, thresh
 def rollout_corr_metrics(terms: dict) -> dict:
     """The diagnostics from rollout_corr_terms' terms (added up over micro-batches and ranks where the update measured
     them): the effective sample size ESS = (sum w)^2 / (n sum w^2) = mean(w)^2 / mean(w^2), 1 for equal weights and 1/n
-    for one weight that outweighs all others; the rest as they are."""
+    for one weight that outweighs all others; the spread of r_t untruncated, std^2 = mean((r - 1)^2) - (mean(r) - 1)^2,
+    and its largest, as rollout/importance_weight_std and _max; the rest as they are."""
     metrics = {key: float(value) for key, value in terms.items()}
     metrics[ROLLOUT_CORR + "ess"] = metrics[ROLLOUT_CORR + "weight_mean"] ** 2 / metrics.pop(ROLLOUT_CORR + "weight_sq_mean")
+    mean_r_minus_1 = metrics[ROLLOUT_CORR + "kl_k3"] - metrics[ROLLOUT_CORR + "kl_k1"]  # mean(r - 1 - log r) - mean(-log r)
+    metrics["rollout/importance_weight_std"] = max(metrics[ROLLOUT_CORR + "chi2_token"] - mean_r_minus_1**2, 0.0) ** 0.5
+    metrics["rollout/importance_weight_max"] = metrics.pop(ROLLOUT_CORR + "ratio_max")
     return metrics
 
 

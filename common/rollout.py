@@ -35,13 +35,7 @@ import torch
 
 from common import weight_sync
 from common.dataproto import DataProto
-from common.update_metrics import (
-    IMPORTANCE_WEIGHT,
-    IMPORTANCE_WEIGHT_MAX,
-    IMPORTANCE_WEIGHT_SQ_DEV,
-    ROLLOUT_LOGPROB_DIFF,
-    ROLLOUT_LOGPROB_DIFF_MAX,
-)
+from common.update_metrics import ROLLOUT_LOGPROB_DIFF, ROLLOUT_LOGPROB_DIFF_MAX
 
 # The maximum LoRA ranks vLLM accepts; an adapter of a smaller rank is served in the next one up.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -461,14 +455,7 @@ def rollout_logprob_gap(batch: DataProto, bound: float) -> dict:
     fresh = mask & (batch["staleness"] == 0)[:, None] if "staleness" in batch else mask
     if fresh.any():
         check_rollout_gap(gap[fresh].mean().item(), bound)
-    # trainer / engine probability per token: the importance weight that TIS truncates, spread wider as samples age
-    weights = (batch["old_log_probs"] - batch["rollout_log_probs"])[mask].clamp(max=20).exp()
-    return {
-        "rollout/logprob_diff_mean": gap[mask].mean().item(),
-        "rollout/logprob_diff_max": gap[mask].max().item(),
-        "rollout/importance_weight_std": weights.std(correction=0).item(),  # over the tokens, as rollout_gap_of_update
-        "rollout/importance_weight_max": weights.max().item(),
-    }
+    return {"rollout/logprob_diff_mean": gap[mask].mean().item(), "rollout/logprob_diff_max": gap[mask].max().item()}
 
 
 def rollout_gap_of_update(update: dict, staleness: torch.Tensor, bound: float) -> dict:
@@ -477,15 +464,9 @@ def rollout_gap_of_update(update: dict, staleness: torch.Tensor, bound: float) -
     when every sample came from the weights the trainer holds (`staleness` 0): the probe after each weight sync checks
     the engines of older ones."""
     gap, gap_max = update.pop(ROLLOUT_LOGPROB_DIFF), update.pop(ROLLOUT_LOGPROB_DIFF_MAX)
-    mean, sq_dev = update.pop(IMPORTANCE_WEIGHT), update.pop(IMPORTANCE_WEIGHT_SQ_DEV)
     if staleness.max() == 0:
         check_rollout_gap(gap, bound)
-    return {
-        "rollout/logprob_diff_mean": gap,
-        "rollout/logprob_diff_max": gap_max,
-        "rollout/importance_weight_std": max(sq_dev - (mean - 1) ** 2, 0.0) ** 0.5,
-        "rollout/importance_weight_max": update.pop(IMPORTANCE_WEIGHT_MAX),
-    }
+    return {"rollout/logprob_diff_mean": gap, "rollout/logprob_diff_max": gap_max}
 
 
 def check_rollout_gap(mean: float, bound: float) -> dict:

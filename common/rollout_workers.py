@@ -42,18 +42,23 @@ class RolloutWorkers:
         wait_all(policy.submit("join_weight_group", address, size), self.group.submit("join_weight_group", address, size))
         # ("weights", version, the trainer's probe log-probs, call) and
         # ("batch", prompts, the data's position, the engines' peak memory, call)
-        self.in_flight, self.version = collections.deque(), None
+        self.in_flight, self.version, self.receiving = collections.deque(), None, None
 
     def send_weights(self, version: int) -> None:
-        """Queue the policy's weights of update `version`, behind what the engines were asked before, unless queued."""
+        """Queue the policy's weights of update `version`, behind what the engines were asked before, unless queued.
+
+        The policy's rank 0 sends one version at a time, once the engines took the one before: waiting for that here
+        names an engine that died (WorkerDied) rather than the broken connection the policy would report."""
         if version == self.version:
             return
+        if self.receiving is not None:
+            self.receiving.result()
         response = self.probe["response_mask"].bool()
         trainer_probe = self.policy.scatter("probe_log_probs", self.probe.select(*LOG_PROB_INPUTS))["old_log_probs"][response]
         self.policy.submit("send_weights", self.sends_adapter).result()
         tokens = self.probe["input_ids"][self.probe["attention_mask"].bool()].tolist()
-        receive = self.group.submit("receive_weights", version, tokens, len(trainer_probe))
-        self.in_flight.append(("weights", version, trainer_probe, receive))
+        self.receiving = self.group.submit("receive_weights", version, tokens, len(trainer_probe))
+        self.in_flight.append(("weights", version, trainer_probe, self.receiving))
         self.version = version
 
     def ask(self, prompts: DataProto, position: dict, **generate) -> None:

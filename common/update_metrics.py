@@ -12,13 +12,9 @@ MAX, MIN = "_max", "_min"
 ROLLOUT_LOGPROB_DIFF = "rollout_logprob_diff"
 """|log pi_trainer - log pi_engine| of the sampled tokens, their mean"""
 ROLLOUT_LOGPROB_DIFF_MAX = ROLLOUT_LOGPROB_DIFF + MAX
-IMPORTANCE_WEIGHT = "importance_weight"
-"""w = pi_trainer / pi_engine of the sampled tokens, untruncated, its mean"""
-IMPORTANCE_WEIGHT_MAX = IMPORTANCE_WEIGHT + MAX
-IMPORTANCE_WEIGHT_SQ_DEV = "importance_weight_sq_dev"
-"""(w - 1)^2, its mean: the spread of weights near 1 keeps its digits"""
 ROLLOUT_CORR = "rollout_corr/"
-"""the prefix of the off-policy diagnostics' terms (rollout_corr_terms in the scripts)"""
+"""the prefix of the off-policy diagnostics' terms (rollout_corr_terms in the scripts, which also give the importance
+weights' spread)"""
 
 
 def accumulate(shares: dict, key: str, value: float) -> None:
@@ -36,12 +32,5 @@ def accumulate(shares: dict, key: str, value: float) -> None:
 def rollout_gap_terms(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor, num_tokens) -> dict:
     """What rollout_logprob_gap measures on the old-log-prob pass's batch, as the shares of a batch of `num_tokens`
     valid tokens: measured by an update whose own log-probs, held constant, are the old ones."""
-    log_ratio = old_log_prob - rollout_log_prob
-    weight = log_ratio.clamp(max=20).exp()
-    return {
-        ROLLOUT_LOGPROB_DIFF: ((log_ratio.abs() * mask).sum() / num_tokens).detach(),
-        ROLLOUT_LOGPROB_DIFF_MAX: (log_ratio.abs() * mask).max().detach(),
-        IMPORTANCE_WEIGHT: ((weight * mask).sum() / num_tokens).detach(),
-        IMPORTANCE_WEIGHT_MAX: (weight * mask).max().detach(),
-        IMPORTANCE_WEIGHT_SQ_DEV: (((weight - 1) ** 2 * mask).sum() / num_tokens).detach(),
-    }
+    gap = (old_log_prob - rollout_log_prob).abs() * mask
+    return {ROLLOUT_LOGPROB_DIFF: (gap.sum() / num_tokens).detach(), ROLLOUT_LOGPROB_DIFF_MAX: gap.max().detach()}

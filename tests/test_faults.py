@@ -7,6 +7,7 @@ import shlex
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -17,16 +18,26 @@ from common.checkpoint import complete_checkpoints
 from test_long_runs import comparable, metric_rows, run_script, start_script, wait_for_steps
 
 STEPS = ["--total-steps", "4", "--save-freq", "1", "--keep-last", "1"]
+# The engine apart from the policy generates the next batch while the policy trains on this one
+ASYNC = ["--num-workers", "1", "--rollout-workers", "1", "--rollout-engine", "hf", "--max-staleness", "1"]
+
+
+def run_to_the_end(folder, algo: str):
+    """The metrics and the exported weights of the run that the interrupted ones must end up as."""
+    code, _, stderr = run_script(*STEPS, cwd=folder, algo=algo)
+    assert code == 0, stderr[-3000:]
+    [run_dir] = (folder / "runs").iterdir()
+    return metric_rows(run_dir), load_file(run_dir / "model" / "model.safetensors")
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(ray_cluster, demo_files, tmp_path_factory):
-    """The metrics and the exported weights of the run that the interrupted ones must end up as."""
-    folder = tmp_path_factory.mktemp("uninterrupted")
-    code, _, stderr = run_script(*STEPS, cwd=folder)
-    assert code == 0, stderr[-3000:]
-    [run_dir] = (folder / "runs").iterdir()
-    return metric_rows(run_dir), load_file(run_dir / "model" / "model.safetensors")
+    return run_to_the_end(tmp_path_factory.mktemp("uninterrupted"), "grpo")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_ppo(ray_cluster, demo_files, tmp_path_factory):
+    return run_to_the_end(tmp_path_factory.mktemp("uninterrupted_ppo"), "ppo")
 
 
 def ray_workers(since: float) -> list[psutil.Process]:
@@ -37,6 +48,20 @@ def ray_workers(since: float) -> list[psutil.Process]:
         if (p.info["cmdline"] or [""])[0].startswith("ray::") and "Worker" in p.info["cmdline"][0]
         and p.info["create_time"] >= since - 1
     ]  # fmt: skip
+
+
+def kill_when(started: float, process, title: str) -> None:
+    """SIGKILL the first Ray actor started since `started` whose process title matches `title` as soon as one does:
+    Ray titles an actor's process ray::<class>.<method> while the method runs, ray::<class> while it waits."""
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        for worker in ray_workers(started):
+            if re.fullmatch(title, worker.info["cmdline"][0]):
+                worker.kill()
+                return
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        time.sleep(0.005)
+    raise TimeoutError(f"no actor titled {title}")
 
 
 def continue_as_told(stderr: str, cwd, uninterrupted) -> None:
@@ -70,6 +95,42 @@ def test_a_killed_policy_worker_names_the_checkpoint_and_the_command(uninterrupt
     assert re.search(r"the policy worker rank \d died during '\w+' \(its process ended\): killed \(SIGKILL", stderr)
     continue_as_told(stderr, tmp_path, uninterrupted)
     assert not [p for p in ray_workers(started) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_critic_worker_killed_in_its_phase_names_the_critic(uninterrupted_ppo, tmp_path):
+    started = time.time()
+    process = start_script(*STEPS, cwd=tmp_path, algo="ppo")
+    wait_for_steps(tmp_path, 1, process)
+    kill_when(started, process, r"ray::CriticWorker\.(compute_values|update)")
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode != 0
+    stop = r"the critic worker rank \d died during '\w+' \(its process ended\): killed \(SIGKILL"
+    assert re.search(stop, stderr), stderr[-3000:]
+    continue_as_told(stderr, tmp_path, uninterrupted_ppo)
+
+
+@pytest.mark.parametrize("title", [r"ray::RolloutWorker\.generate", "ray::RolloutWorker"], ids=["generating", "waiting"])
+def test_a_killed_rollout_worker_names_it_and_leaves_the_checkpoint_whole(ray_cluster, demo_files, tmp_path, title):
+    """An engine apart from the policy killed while it generates, or while it waits for prompts or weights (then the
+    policy's next weight send is the first to miss it, and would report only a connection reset by its peer). The
+    batches generated before go on feeding steps until the next weights are due; the resumed run generates again from
+    the checkpoint's data position, so its samples are not the uninterrupted run's."""
+    started = time.time()
+    process = start_script(*ASYNC, "--total-steps", "12", "--save-freq", "1", "--keep-last", "1", cwd=tmp_path)
+    run_dir = wait_for_steps(tmp_path, 1, process)
+    kill_when(started, process, title)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode != 0
+    stop = r"the rollout worker rank 0 died during '\w+' \(its process ended\): killed \(SIGKILL"
+    assert re.search(stop, stderr) and "Traceback" not in stderr, stderr[-3000:]
+    [checkpoint] = re.findall(r"the last complete checkpoint is (\S+/checkpoints/step_\d+) \(step \d+\)", stderr)
+    assert Path(checkpoint) == complete_checkpoints(run_dir)[-1].resolve()
+    [command] = re.findall(r"continue with:\n  (.+)\n", stderr)
+    resumed = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {checkpoint}" in resumed.stdout
+    # every step logged once: none after the last checkpoint had been logged when the engine died
+    assert [row["step"] for row in metric_rows(run_dir)] == list(range(1, 13))
 
 
 def test_a_killed_driver_leaves_no_worker_and_resumes(uninterrupted, tmp_path):

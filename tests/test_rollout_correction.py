@@ -4,6 +4,7 @@ on a small batch with padding and uneven lengths; the same functions in every sc
 import importlib
 import inspect
 import math
+import statistics
 
 import pytest
 import torch
@@ -176,6 +177,10 @@ def test_diagnostics_by_hand(level, weights_of):
     metrics = rollout_corr_metrics(rollout_corr_terms(OLD, ROLLOUT, MASK, MASK, level, 2.0))
     expected = {ROLLOUT_CORR + key: value for key, value in hand_diagnostics(weights_of).items()}
     expected |= {ROLLOUT_CORR + "rejected_token_share": 0.0, ROLLOUT_CORR + "rejected_seq_share": 0.0}
+    # r_t untruncated whatever the level: its spread over the tokens and its largest, r = 4
+    ratios = [math.exp(LOG_RATIO[i][t]) for i, t in TOKENS]
+    expected["rollout/importance_weight_std"] = statistics.pstdev(ratios)
+    expected["rollout/importance_weight_max"] = 4.0
     assert metrics == pytest.approx(expected, rel=1e-5, abs=1e-7)
     rejecting = rollout_corr_metrics(rollout_corr_terms(OLD, ROLLOUT, MASK, kept, "none", 2.0))
     assert rejecting[ROLLOUT_CORR + "rejected_token_share"] == pytest.approx(3 / 9)
@@ -208,6 +213,7 @@ def test_with_the_engine_equal_to_the_trainer_nothing_changes():
     for key in ("kl_k1", "kl_k3", "chi2_token", "chi2_seq", "log_ppl_diff", "rejected_token_share", "rejected_seq_share"):
         assert metrics[ROLLOUT_CORR + key] == 0.0
     assert metrics[ROLLOUT_CORR + "ppl_trainer"] == metrics[ROLLOUT_CORR + "ppl_rollout"]
+    assert metrics["rollout/importance_weight_std"] == 0.0 and metrics["rollout/importance_weight_max"] == 1.0
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

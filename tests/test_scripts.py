@@ -44,6 +44,8 @@ SHARED_METRICS = [
     "reward/errors",
     "rollout/logprob_diff_mean",
     "rollout/logprob_diff_max",
+    "rollout/importance_weight_std",
+    "rollout/importance_weight_max",
     "rollout_corr/weight_mean",
     "rollout_corr/weight_max",
     "rollout_corr/weight_min",
@@ -156,6 +158,7 @@ def test_two_steps_with_two_workers(ray_cluster, demo_files, tmp_path, algo, fla
     assert rows[2]["rollout/logprob_diff_max"] < 1e-4
     for name in ("weight_mean", "weight_max", "weight_min", "ess"):
         assert rows[2][f"rollout_corr/{name}"] == pytest.approx(1.0, abs=1e-4), name
+    assert rows[2]["rollout/importance_weight_max"] == pytest.approx(1.0, abs=1e-4)
     assert rows[2]["rollout_corr/rejected_token_share"] == rows[2]["rollout_corr/rejected_seq_share"] == 0
     assert "held-out accuracy" in result.stdout
     assert json.loads((run_dir / "config.json").read_text())["lora_rank"] == (8 if "--lora-rank" in flags else 0)
