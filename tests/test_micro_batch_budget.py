@@ -65,13 +65,14 @@ def test_auto_budget_keeps_within_the_share_and_an_update_over_it_retries_at_hal
     group = WorkerGroup(BudgetProbe, cpu_pool, "policy", model_path=tiny_model, use_reference=False, **settings)
     try:
         batch = full_length_batch(vocab_size=30, rows=16)  # 8 sequences a rank
-        update = partial(group.scatter, "update", batch, loss_fn=partial(grpo_hybrid.actor_loss, args=grpo_hybrid.Args(kl_loss_coef=0.0)))
+        loss_fn = partial(grpo_hybrid.actor_loss, args=grpo_hybrid.Args(kl_loss_coef=0.0))
+        update = partial(group.scatter, "update", batch, loss_fn=loss_fn)
         # Measured with room to spare, then a limit that the fit says holds 2.5 sequences (2 a micro-batch), where 4
         # would be over it by most of a sequence: two ranks of one group share this host.
         group.broadcast("keep_memory_within", 0.8, 1)
         measured = group.broadcast("fit_micro_batch_tokens", PROMPT, RESPONSE)
         assert all(m["tokens"] >= LONGEST and m["per_token_bytes"] > 0 for m in measured)
-        fixed, per_token, optimizer = (max(m[key] for m in measured) for key in ("fixed_bytes", "per_token_bytes", "optimizer_bytes"))
+        fixed, per_token, optimizer = (max(m[f"{k}_bytes"] for m in measured) for k in ("fixed", "per_token", "optimizer"))
         limit = fixed + optimizer + per_token * PER_TOKEN_MARGIN * 2.5 * LONGEST
         group.broadcast("keep_memory_within", limit * 2 / machine_memory_bytes(), 1)
         [fit, _] = group.broadcast("fit_micro_batch_tokens", PROMPT, RESPONSE)
