@@ -47,13 +47,14 @@ def reset_peak_memory(device: torch.device) -> None:
     _reset_peak(device)
 
 
-def restart_peak_memory(device: torch.device) -> None:
+def restart_peak_memory(device: torch.device, live_only: bool = False) -> None:
     """Measure the peak of what comes next alone (peak_memory_gb), while the peak so far still counts as the method's
-    (measured). On the CPU the C allocator first gives back the memory it kept of freed tensors, so that the resident
-    set holds live memory only: what comes next is measured, not what came before it."""
+    (measured). With `live_only`, on the CPU the C allocator first gives back the pages it kept of freed tensors, so
+    that the resident set holds live memory only; it costs the next pass page faults on memory touched anew (see
+    docs/performance.md), so only where what came before must not count."""
     global _peak_before_restart_gb
     _peak_before_restart_gb = max(_peak_before_restart_gb, peak_memory_gb(device))
-    if device.type == "cpu":
+    if live_only and device.type == "cpu":
         _release_freed_memory()
     _reset_peak(device)
 

@@ -19,9 +19,10 @@ from common.memory import peak_memory_gb, restart_peak_memory
 from common.rollout import machine_memory_bytes
 
 GRANULE = 64  # a fitted budget is a whole number of this many tokens
-# The memory per token counted higher than measured: a real micro-batch packs several sequences, and the script's
-# loss holds tensors of its own per token, which the probe's plain sum of the outputs does not.
-PER_TOKEN_MARGIN = 1.25
+# The memory per token counted higher than measured: an update's micro-batches, one after another, held 1.2 to 1.5
+# times what one probe measured per token on the CPU (the allocator's fragmentation; the script's loss holds tensors
+# of its own per token, which the probe's plain sum of the outputs does not).
+PER_TOKEN_MARGIN = 1.5
 
 
 def memory_limit_bytes(device: torch.device, share: float, processes: int) -> int:
@@ -119,7 +120,7 @@ class MemoryBudget:
     def _probe_peak(self, sequence: DataProto) -> float:
         """The peak bytes of one forward and backward of the update over `sequence`; its gradients are then dropped."""
         self.model.train()
-        restart_peak_memory(self.device)
+        restart_peak_memory(self.device, live_only=True)
         outputs = self._update_forward(sequence.to(self.device))
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         sum(output.float().sum() for output in outputs if output is not None).backward()
@@ -155,17 +156,18 @@ class MemoryBudget:
                 f"the mini-batch again at {self.micro_batch_tokens} tokens, the budget from now on",
                 flush=True,
             )
-        shares, error = self._attempt(accumulate)
+        shares, error = self._attempt(accumulate, again=True)
         if self._all_reduce_max(float(error is not None)):
             raise error or torch.OutOfMemoryError(f"another rank ran out of memory at {self.micro_batch_tokens} tokens too")
         return shares
 
-    def _attempt(self, accumulate) -> tuple[dict | None, torch.OutOfMemoryError | None]:
+    def _attempt(self, accumulate, again: bool = False) -> tuple[dict | None, torch.OutOfMemoryError | None]:
         """`accumulate()`'s result, or why it ran out of memory: on a GPU the allocator's error. On the CPU nothing
         fails at a limit: the host runs out for every process at once, and its out-of-memory killer ends one without
-        an error to catch. So the worker holds itself to its share: a resident set that peaked over it (measured from
-        live memory at the start, see restart_peak_memory) ran out."""
-        restart_peak_memory(self.device)
+        an error to catch. So the worker holds itself to its share: a resident set that peaked over it ran out. That
+        set holds what the C allocator kept of freed tensors for reuse, which counts, as it is this process's; `again`,
+        the pages the attempt that ran out left are given back first (see restart_peak_memory)."""
+        restart_peak_memory(self.device, live_only=again)
         try:
             shares = accumulate()
         except torch.OutOfMemoryError as error:
