@@ -121,7 +121,7 @@ class RunArgs:
     the most that fit in --max-memory-share, measured at start-up, halved for good if an update still runs out"""
     max_memory_share: float = flag(0.8, resumable=True, positive=True)
     """with --micro-batch-tokens auto: the share of a GPU's memory, or on CPUs of the machine's, that the worker
-    processes sharing it may use together (docs/performance.md)"""
+    processes sharing it may use together (docs/gpus.md)"""
     ppo_epochs: int = flag(1, positive=True)
     """passes over each batch"""
     lr: float = 1e-6
