@@ -165,9 +165,12 @@ class MemoryBudget:
         """`accumulate()`'s result, or why it ran out of memory: on a GPU the allocator's error. On the CPU nothing
         fails at a limit: the host runs out for every process at once, and its out-of-memory killer ends one without
         an error to catch. So the worker holds itself to its share: a resident set that peaked over it ran out. That
-        set holds what the C allocator kept of freed tensors for reuse, which counts, as it is this process's; `again`,
-        the pages the attempt that ran out left are given back first (see restart_peak_memory)."""
+        set holds what the C allocator kept of freed tensors for reuse, which counts, as it is this process's; but
+        `again`, or where those pages alone are over the limit, they are given back first (see restart_peak_memory):
+        what the mini-batch holds is measured, not what came before it."""
         restart_peak_memory(self.device, live_only=again)
+        if peak_memory_gb(self.device) * 2**30 > self.memory_limit:  # the resident set as it starts
+            restart_peak_memory(self.device, live_only=True)
         try:
             shares = accumulate()
         except torch.OutOfMemoryError as error:
