@@ -115,9 +115,13 @@ class RunArgs:
     """prompts per optimiser step; train-batch-size / mini-batch-size steps per batch"""
     micro_batch_size: int = flag(8, positive=True, resumable=True)
     """sequences per forward/backward on one worker (gradient accumulation beyond that)"""
-    micro_batch_tokens: int = flag(0, resumable=True)
+    micro_batch_tokens: int | Literal["auto"] = flag(0, resumable=True)
     """tokens (prompt and response, no padding) per forward/backward on one worker, as many sequences as fit, in place
-    of --micro-batch-size; at least --max-prompt-length + --max-response-length (0: count sequences instead)"""
+    of --micro-batch-size; at least --max-prompt-length + --max-response-length (0: count sequences instead); `auto`:
+    the most that fit in --max-memory-share, measured at start-up, halved for good if an update still runs out"""
+    max_memory_share: float = flag(0.8, resumable=True, positive=True)
+    """with --micro-batch-tokens auto: the share of a GPU's memory, or on CPUs of the machine's, that the worker
+    processes sharing it may use together (docs/gpus.md)"""
     ppo_epochs: int = flag(1, positive=True)
     """passes over each batch"""
     lr: float = 1e-6
@@ -227,12 +231,15 @@ def check_args(args: RunArgs) -> None:
     longest = args.max_prompt_length + args.max_response_length
     if args.log_prob_chunk_tokens < 0:
         raise ValueError(f"--log-prob-chunk-tokens is {args.log_prob_chunk_tokens}; use 0 for all at once, or more")
-    if args.micro_batch_tokens < 0:
-        raise ValueError(f"--micro-batch-tokens is {args.micro_batch_tokens}; use 0 to count sequences, or more")
-    if args.micro_batch_tokens > 0 and longest > args.micro_batch_tokens:
+    if args.max_memory_share > 1:
+        raise ValueError(f"--max-memory-share is {args.max_memory_share}; it is a share of the memory, at most 1")
+    if args.micro_batch_tokens != "auto" and args.micro_batch_tokens < 0:
+        raise ValueError(f"--micro-batch-tokens is {args.micro_batch_tokens}; use 0 to count sequences, auto, or more")
+    if args.micro_batch_tokens != "auto" and 0 < args.micro_batch_tokens < longest:
         raise ValueError(
             f"--micro-batch-tokens {args.micro_batch_tokens} cannot hold one sequence of --max-prompt-length + "
-            f"--max-response-length = {longest} tokens; raise it, or use 0 to count sequences with --micro-batch-size"
+            f"--max-response-length = {longest} tokens; raise it, use auto to fit it to the memory, or use 0 to count "
+            "sequences with --micro-batch-size"
         )
     if args.rollout_workers < 0 or (args.rollout_workers and args.in_process):
         raise ValueError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections import defaultdict
+from functools import partial
 from typing import ClassVar
 
 import numpy as np
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from common.dataproto import DataProto
 from common.layouts import Layout, balanced_parts, part_loads, response_outputs
 from common.loading import fill_shards, init_missing, replay_lora_init, safetensors_files
+from common.micro_batch_budget import MemoryBudget
 from common.rollout import machine_memory_bytes
 from common.sequence_parallel import register as register_sequence_parallel
 from common.update_metrics import MAX, MIN, accumulate
@@ -37,8 +39,9 @@ def lr_factor(update: int, warmup_steps: int, decay_steps: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * progress))
 
 
-class FSDPWorker(Worker):
-    """What the policy and the critic share: distributed setup, FSDP2 sharding, optimisation."""
+class FSDPWorker(MemoryBudget, Worker):
+    """What the policy and the critic share: distributed setup, FSDP2 sharding, optimisation, micro-batches sized to
+    the memory (MemoryBudget)."""
 
     language_model = True  # its output is logits over the vocabulary (see response_outputs)
     packs = True  # its micro-batches may be packed (response_outputs), where the model keeps packed sequences apart
@@ -292,17 +295,7 @@ class FSDPWorker(Worker):
         history, all_shares = defaultdict(list), []
         for _ in range(self.epochs):
             for mini, tokens, seqs in zip(minis, counts[::2], counts[1::2]):
-                shares = {"loss": 0.0}
-                for rows in self.micro_batches(mini):
-                    micro = mini[rows].to(self.device)
-                    loss, metrics = loss_fn(micro, forward(micro), minibatch_tokens=tokens, minibatch_seqs=seqs)
-                    # FSDP averages gradients over ranks; the loss shares add up instead. (The ranks of a
-                    # sequence-parallel group compute the same loss, each backward through its own tokens only.)
-                    (loss * self.world_size).backward()
-                    shares["loss"] += loss.item()
-                    for key, value in metrics.items():
-                        accumulate(shares, key, float(value))
-                all_shares.append(shares)
+                all_shares.append(self._within_memory(partial(self._gradients, mini, loss_fn, forward, tokens, seqs)))
                 grad_norm = self._clip_grad_norm()
                 if math.isfinite(grad_norm):
                     self.optimizer.step()
@@ -324,7 +317,22 @@ class FSDPWorker(Worker):
             metrics |= {key: sign * peak for (key, sign), peak in zip(extremes, tensor.tolist())}
         metrics["skipped_updates"] = float(np.sum(history["skipped_updates"]))
         metrics["lr"] = self.scheduler.get_last_lr()[0]
-        return metrics
+        return metrics | self._memory_metrics()
+
+    def _gradients(self, mini: DataProto, loss_fn, forward, tokens: float, seqs: float) -> dict:
+        """The gradients of mini-batch `mini` (of `tokens` and `seqs` over all ranks), added up over its micro-batches;
+        the loss shares and metrics of the script's loss, summed."""
+        shares = {"loss": 0.0}
+        for rows in self.micro_batches(mini):
+            micro = mini[rows].to(self.device)
+            loss, metrics = loss_fn(micro, forward(micro), minibatch_tokens=tokens, minibatch_seqs=seqs)
+            # FSDP averages gradients over ranks; the loss shares add up instead. (The ranks of a
+            # sequence-parallel group compute the same loss, each backward through its own tokens only.)
+            (loss * self.world_size).backward()
+            shares["loss"] += loss.item()
+            for key, value in metrics.items():
+                accumulate(shares, key, float(value))
+        return shares
 
     def _all_reduce_max(self, value: float) -> float:
         tensor = torch.tensor([value], dtype=torch.float64, device=self.device)

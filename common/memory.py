@@ -1,8 +1,10 @@
 """Peak memory per worker method: measured where it runs, reported by the worker (Worker.phase_peak_memory), logged by
-the run as `perf/peak_memory_gb/<group>/<method>`."""
+the run as `perf/peak_memory_gb/<group>/<method>`; and the peak of a part of a method (restart_peak_memory), which a
+worker keeps within its memory limit (common/micro_batch_budget.py)."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import resource
@@ -21,7 +23,8 @@ def measured(method):
         try:
             return method(self, *args, **kwargs)
         finally:
-            self.phase_peaks[method.__name__] = max(self.phase_peaks.get(method.__name__, 0.0), peak_memory_gb(self.device))
+            peak = max(self.phase_peaks.get(method.__name__, 0.0), peak_memory_gb(self.device), _peak_before_restart_gb)
+            self.phase_peaks[method.__name__] = peak
 
     return call
 
@@ -35,7 +38,36 @@ def record_peak_memory(metrics: dict, group: str, ranks: list[dict[str, float]])
             metrics[key] = max(metrics.get(key, 0.0), peak)
 
 
+_peak_before_restart_gb = 0.0  # the peak of the method under way before restart_peak_memory: still its peak
+
+
 def reset_peak_memory(device: torch.device) -> None:
+    global _peak_before_restart_gb
+    _peak_before_restart_gb = 0.0
+    _reset_peak(device)
+
+
+def restart_peak_memory(device: torch.device, live_only: bool = False) -> None:
+    """Measure the peak of what comes next alone (peak_memory_gb), while the peak so far still counts as the method's
+    (measured). With `live_only`, on the CPU the C allocator first gives back the pages it kept of freed tensors, so
+    that the resident set holds live memory only; it costs the next pass page faults on memory touched anew (see
+    docs/performance.md), so only where what came before must not count."""
+    global _peak_before_restart_gb
+    _peak_before_restart_gb = max(_peak_before_restart_gb, peak_memory_gb(device))
+    if live_only and device.type == "cpu":
+        _release_freed_memory()
+    _reset_peak(device)
+
+
+def _release_freed_memory() -> None:
+    """Give back to the system the memory that glibc's allocator holds of freed tensors (malloc_trim); elsewhere
+    nothing to do."""
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def _reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     elif os.path.exists("/proc/self/clear_refs"):

@@ -133,7 +133,7 @@ class Run:
             epochs=args.ppo_epochs,
             mini_batch_size=args.mini_batch_size * args.n,
             micro_batch_size=args.micro_batch_size,
-            micro_batch_tokens=args.micro_batch_tokens,
+            micro_batch_tokens=0 if args.micro_batch_tokens == "auto" else args.micro_batch_tokens,
             seed=args.seed,
             lr=args.lr,
             weight_decay=args.weight_decay,
@@ -147,8 +147,11 @@ class Run:
             lora_target_modules=args.lora_target_modules,
             sequence_parallel=args.sequence_parallel,
         )
-        self.groups[name] = WorkerGroup(worker_cls, self.pool, name, **(defaults | settings))
-        return self.groups[name]
+        group = self.groups[name] = WorkerGroup(worker_cls, self.pool, name, **(defaults | settings))
+        if args.micro_batch_tokens == "auto":  # measured once all of the worker is in memory (its engine too)
+            group.broadcast("keep_memory_within", args.max_memory_share, 1 if self.pool is None else self.pool.max_colocated)
+            group.broadcast("fit_micro_batch_tokens", args.max_prompt_length, args.max_response_length)
+        return group
 
     def policy(self, **settings):
         """The hybrid engine's group: the policy that trains, generates (unless --rollout-workers do), and (with LoRA)

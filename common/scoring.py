@@ -76,7 +76,7 @@ class Scorer:
             self.pool = pool = ResourcePool(args.reward_model_workers, pool.use_gpu)
         model = dict(
             micro_batch_size=args.micro_batch_size,
-            micro_batch_tokens=args.micro_batch_tokens,
+            micro_batch_tokens=0 if args.micro_batch_tokens == "auto" else args.micro_batch_tokens,  # auto sizes trainers
             seed=args.seed,
             compute_dtype=args.compute_dtype,
         )

@@ -203,7 +203,10 @@ class PolicyWorker(FSDPWorker, EngineWorker):
     @measured
     def update(self, data: DataProto, loss_fn) -> dict:
         """PPO-style update with the script's `loss_fn(micro_batch, (log_prob, entropy), ...)`."""
-        return self._update(data, loss_fn, lambda micro: self._forward(self.model, micro, with_entropy=True))
+        return self._update(data, loss_fn, self._update_forward)
+
+    def _update_forward(self, micro: DataProto):
+        return self._forward(self.model, micro, with_entropy=True)
 
     def adapter_config(self):
         """The LoRA adapter's PEFT config, for a rollout worker that will serve it."""
@@ -291,7 +294,10 @@ class CriticWorker(FSDPWorker):
     @measured
     def update(self, data: DataProto, loss_fn) -> dict:
         """Regress values with the script's `loss_fn(micro_batch, values, ...)`."""
-        return self._update(data, loss_fn, self._forward)
+        return self._update(data, loss_fn, self._update_forward)
+
+    def _update_forward(self, micro: DataProto) -> torch.Tensor:
+        return self._forward(micro)
 
 
 class RewardModelWorker(FSDPWorker):

@@ -111,7 +111,7 @@ VLLM_FP32 = ["--rollout-engine", "vllm", "--rollout-dtype", "float32"]  # the tr
     [
         ("grpo", []),
         ("grpo", LORA),
-        ("ppo", ["--critic-warmup", "2"]),
+        ("ppo", ["--critic-warmup", "2", "--micro-batch-tokens", "auto"]),
         ("ppo", LORA + ["--tis"]),
         ("ppo", ["--sequence-parallel", "2"]),
         ("dapo", ["--tis", "--overlong-buffer-length", "0"]),
@@ -126,7 +126,7 @@ VLLM_FP32 = ["--rollout-engine", "vllm", "--rollout-dtype", "float32"]  # the tr
     ids=[
         "grpo",
         "grpo-lora",
-        "ppo-critic-warmup",
+        "ppo-critic-warmup-auto-micro-batches",
         "ppo-lora-tis",
         "ppo-sequence-parallel",
         "dapo-tis-no-shaping",
@@ -153,6 +153,10 @@ def test_two_steps_with_two_workers(ray_cluster, demo_files, tmp_path, algo, fla
         assert rows[2]["reward/overlong_penalty_mean"] == 0 and rows[2]["response/overlong_ratio"] == 0
     if "--critic-warmup" in flags:  # the policy first updates at that step, the critic from the start
         assert "actor/pg_loss" not in rows[1] and "critic/loss" in rows[1]
+    if "auto" in flags:  # each group fitted its budget (one demo sequence at least: 8 + 4 tokens), and none ran out
+        for worker, group in (("PolicyWorker", "actor"), ("CriticWorker", "critic")):
+            assert f"{worker}: micro-batches of at most" in result.stdout
+            assert rows[2][f"{group}/micro_batch_tokens"] >= 8 + 4 and rows[2][f"{group}/memory_retries"] == 0
     # both engines compute in fp32 here, as the trainer does: log-probs differ by float rounding only, so every importance
     # weight is 1 and no criterion rejects a token
     assert rows[2]["rollout/logprob_diff_max"] < 1e-4
