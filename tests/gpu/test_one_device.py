@@ -61,10 +61,10 @@ def rollout(worker, prompts, n: int) -> DataProto:
     return batch | worker.generate(batch.select("prompts", "prompt_mask"), max_response_length=4)
 
 
-def grpo_update(worker, batch: DataProto) -> None:
+def grpo_update(worker, batch: DataProto) -> dict:
     batch["advantages"] = torch.linspace(-1, 1, len(batch))[:, None] * batch["response_mask"]
     batch["rollout_log_probs"] = torch.zeros(batch["responses"].shape)
-    worker.update(batch.select(*LOG_PROB_INPUTS, "response_mask", "advantages", "rollout_log_probs"), GRPO_LOSS)
+    return worker.update(batch.select(*LOG_PROB_INPUTS, "response_mask", "advantages", "rollout_log_probs"), GRPO_LOSS)
 
 
 def test_bf16_compute_over_fp32_master_weights(device, tiny_model, prompts):
@@ -143,3 +143,40 @@ def test_peak_memory_is_measured_per_method(device, tiny_model, prompts):
         assert peaks["hold"] > peaks["compute_log_prob"] + 0.4 and peaks["hold"] > peaks["generate"] + 0.4
         assert peaks["compute_log_prob"] > 0
         assert worker.phase_peak_memory() == {}
+
+
+def test_an_update_out_of_the_gpus_memory_retries_at_half_the_budget(device, tiny_model):
+    """The allocator's own out-of-memory error, with the GPU capped between what updates at 2 and at 4 sequences a
+    micro-batch reserve: the update at 4 is done again at 2 and says so (the CPU's retry, which holds the worker to
+    its share itself, is tests/test_micro_batch_budget.py's)."""
+    if device != "cuda":
+        pytest.skip("on the CPU nothing fails at a limit: tests/test_micro_batch_budget.py checks the retry there")
+    length = 8192
+    with policy_on(device, tiny_model, compute_dtype="float32", max_grad_norm=1e9) as worker:
+        worker.keep_memory_within(0.8, 1)
+        ids = torch.randint(3, worker.model.config.vocab_size, (4, length), generator=torch.Generator().manual_seed(0))
+        batch = DataProto.from_dict(
+            {
+                "input_ids": ids,
+                "attention_mask": torch.ones_like(ids),
+                "position_ids": torch.arange(length).expand(4, -1),
+                "responses": ids[:, 64:],
+                "response_mask": torch.ones_like(ids[:, 64:]),
+            }
+        )
+        reserved = []
+        for sequences in (2, 4):
+            worker.micro_batch_tokens = sequences * length
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            grpo_update(worker, batch)
+            reserved.append(torch.cuda.max_memory_reserved())
+        assert reserved[1] > reserved[0]
+        torch.cuda.empty_cache()  # what the cache keeps would serve the update at 4 without asking for more
+        try:
+            torch.cuda.set_per_process_memory_fraction(sum(reserved) / 2 / torch.cuda.get_device_properties(0).total_memory)
+            worker.micro_batch_tokens = 4 * length
+            metrics = grpo_update(worker, batch)
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        assert metrics["memory_retries"] == 1 and metrics["micro_batch_tokens"] == 2 * length
