@@ -115,9 +115,10 @@ class FSDPWorker(Worker):
             layout = "" if packs else " (this model's attention lets packed sequences see each other)"
             frozen_layout = f", frozen weights: {'replicated' if replicate_frozen else 'sharded'}" if self.lora else ""
             split = f", sequence parallel: {self.sequence_parallel}" if self.sequence_group is not None else ""
+            blocks = "" if self.flex_from is None else f" (block masks from {self.flex_from} tokens wide)"
             print(
                 f"{type(self).__name__}: {self.world_size} x {self.device.type}, compute: {self.compute_dtype}, "
-                f"attention: {self.attention}{'' if self.flex_from is None else f' (rows from {self.flex_from} tokens)'}, "
+                f"attention: {self.attention}{blocks}, "
                 f"micro-batches: {self.layout}{layout}{frozen_layout}{split}"
             )
 
