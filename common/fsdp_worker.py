@@ -18,6 +18,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from common.attention import flex_from
+from common.attention import register as register_flex
 from common.dataproto import DataProto
 from common.layouts import Layout, balanced_parts, part_loads, response_outputs
 from common.loading import fill_shards, init_missing, replay_lora_init, safetensors_files
@@ -92,6 +94,9 @@ class FSDPWorker(MemoryBudget, Worker):
         self.model_path, self.max_grad_norm, self.lora = model_path, max_grad_norm, lora_rank > 0
         self.epochs, self.mini_batch_size, self.micro_batch_size = epochs, mini_batch_size, micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
+        self.flex_from = None if self.attention != "sdpa" else flex_from(self.device, micro_batch_tokens)
+        if self.flex_from is not None:
+            self.attention = register_flex()
         self.lora_settings = (lora_rank, lora_alpha, lora_target_modules)
         model = self._load(model_path)
         self.layer_classes = set(getattr(model, "_no_split_modules", None) or [])
@@ -106,14 +111,17 @@ class FSDPWorker(MemoryBudget, Worker):
         self._build_optimizer(lr, weight_decay, lr_warmup_steps, lr_decay_steps)
         packings = ["one row"] if self.attention == "flash_attention_2" else ["shared prompts", "rows"]
         self.layout = next((packing for packing in packings if self.packs and self._packs_exactly(packing)), "padded")
+        if self.flex_from is not None and not self._flex_packs_exactly():
+            self.flex_from = None
         if self.rank == 0:
             packs = self.layout != "padded" or not self.packs
             layout = "" if packs else " (this model's attention lets packed sequences see each other)"
             frozen_layout = f", frozen weights: {'replicated' if replicate_frozen else 'sharded'}" if self.lora else ""
             split = f", sequence parallel: {self.sequence_parallel}" if self.sequence_group is not None else ""
+            blocks = "" if self.flex_from is None else f" (block masks from {self.flex_from} tokens wide)"
             print(
                 f"{type(self).__name__}: {self.world_size} x {self.device.type}, compute: {self.compute_dtype}, "
-                f"attention: {self.attention}, "
+                f"attention: {self.attention}{blocks}, "
                 f"micro-batches: {self.layout}{layout}{frozen_layout}{split}"
             )
 
@@ -231,11 +239,24 @@ class FSDPWorker(MemoryBudget, Worker):
         dist.all_reduce(tensor)
         return (tensor / self.sequence_parallel).tolist()
 
+    def _flex_packs_exactly(self) -> bool:
+        """Whether the packed micro-batches give the padded outputs through block masks too (_packs_exactly). Where
+        they do not, or FlexAttention cannot run here (torch.compile finds no C++ compiler on the CPU, no Triton on
+        the GPU, or no kernel fits this model's attention), SDPA keeps the dense mask."""
+        if self.layout == "padded":
+            return False
+        try:
+            return self._packs_exactly(self.layout, flex_from=0)
+        except Exception as error:  # a compiler's failure, raised alike on every rank
+            if self.rank == 0:
+                print(f"{type(self).__name__}: FlexAttention does not run here ({type(error).__name__}): dense masks instead")
+            return False
+
     @torch.no_grad()
-    def _packs_exactly(self, packing: Layout) -> bool:
+    def _packs_exactly(self, packing: Layout, flex_from: int | None = None) -> bool:
         """Whether packed micro-batches give this model's padded outputs (transformers keeps packed sequences apart
         for most models): three made-up sequences that share a packed row, two of them a prompt, both ways, in the
-        precision it trains in."""
+        precision it trains in; packed rows from `flex_from` tokens wide through block masks."""
         self.model.eval()
         ids = torch.randint(self.model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(0))
         ids[2, :6] = ids[0, :6]
@@ -249,7 +270,7 @@ class FSDPWorker(MemoryBudget, Worker):
             }
         ).to(self.device)
         padded, packed = (
-            response_outputs(self.model, micro, p, self.language_model, sequence_group=self.sequence_group).float()
+            response_outputs(self.model, micro, p, self.language_model, None, self.sequence_group, flex_from).float()
             for p in ("padded", packing)
         )
         if self.language_model:

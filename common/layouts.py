@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from common.attention import packed_segments, runs_flex, segment_block_mask
 from common.dataproto import DataProto
 from common.sequence_parallel import SequenceParallel, full_attention, gather_tokens
 
@@ -66,7 +67,13 @@ Layout = Literal["padded", "one row", "rows", "shared prompts"]
 
 
 def response_outputs(
-    model, micro: DataProto, layout: Layout, language_model: bool, head_outputs=None, sequence_group=None
+    model,
+    micro: DataProto,
+    layout: Layout,
+    language_model: bool,
+    head_outputs=None,
+    sequence_group=None,
+    flex_from: int | None = None,
 ) -> torch.Tensor:
     """The model's output (a language model's logits, a critic's values) at the position before each real response
     token: one row per token where `attention_mask`'s response part is 1, the micro-batch's rows one after another.
@@ -75,11 +82,14 @@ def response_outputs(
     laid end to end with positions restarting per sequence, from which transformers builds attention that never
     crosses a sequence: "one row" holds them all, for flash-attention's variable-length kernel; "rows" fills rows as
     wide as the micro-batch, for kernels that take a dense mask (SDPA), whose cost grows with the square of a row's
-    width. "shared prompts" also takes a dense mask, and runs a prompt's tokens once for all its samples in the
-    micro-batch (see shared_prompt_places); where no two of them share one, it packs as "rows" (which leaves a row
-    that holds one sequence to the causal kernel, with no mask at all). A language model projects to the vocabulary
-    only the positions read (see output_layer_at), or gives `head_outputs`' instead of logits. With a
-    `sequence_group`, its ranks split the rows' tokens among them (see sequence_parallel_outputs).
+    width, or a block mask (FlexAttention). "shared prompts" also takes either mask, and runs a prompt's tokens once
+    for all its samples in the micro-batch (see shared_prompt_places); where no two of them share one, it packs as
+    "rows" (which leaves a row that holds one sequence to the causal kernel, with no mask at all). A language model
+    projects to the vocabulary only the positions read (see output_layer_at), or gives `head_outputs`' instead of
+    logits. With a `sequence_group`, its ranks split the rows' tokens among them (see sequence_parallel_outputs), over
+    a dense mask. Without one, a micro-batch whose padded rows are at least `flex_from` wide (None: none) attends
+    through a block mask instead, its tokens in one row, where the model runs with common/attention.py's attention
+    (see runs_flex there).
     """
     attention_mask = micro["attention_mask"].bool()
     response_length = micro["responses"].shape[1]
@@ -90,21 +100,29 @@ def response_outputs(
         causal = False
     else:
         prompts = same_prompts(micro["input_ids"], attention_mask, response_length) if layout == "shared prompts" else []
+        # A block mask costs nothing for the pairs of sequences that never meet: one row holds the whole micro-batch
+        # (and torch.compile, which on the CPU fails to build FlexAttention again for another number of rows, sees one).
+        flex = sequence_group is None and runs_flex(attention_mask.shape[1], attention_mask.device, flex_from)
+        segments = None
         if len(set(prompts)) < len(prompts):
-            place, width, rows, attention = shared_prompt_places(prompts, attention_mask, response_length)
+            place, width, rows, segments = shared_prompt_places(prompts, attention_mask, response_length, one_row=flex)
             causal = False
         else:
             lengths = attention_mask.sum(-1)
-            width = int(lengths.sum()) if layout == "one row" else attention_mask.shape[1]
+            width = int(lengths.sum()) if layout == "one row" or flex else attention_mask.shape[1]
             row_of, offset_of = pack_rows(lengths.tolist(), width)
             start = torch.tensor(row_of, device=lengths.device) * width + torch.tensor(offset_of, device=lengths.device)
-            place, rows, attention = start[:, None] + attention_mask.cumsum(-1) - 1, max(row_of) + 1, {}
+            place, rows = start[:, None] + attention_mask.cumsum(-1) - 1, max(row_of) + 1
             causal = max(offset_of) == 0  # each row holds one sequence from its first place, then padding
         tokens = place[attention_mask]  # each token's place in the packed rows, read flat
-        inputs = attention | {
+        inputs = {
             key: micro[key].new_zeros(rows * width).index_put_((tokens,), micro[key][attention_mask]).view(-1, width)
             for key in ("input_ids", "position_ids")  # padding at a row's end sits at position 0: a sequence of its own
         }
+        if flex:
+            inputs["attention_mask"] = segment_block_mask(*(segments or (packed_segments(inputs["position_ids"]),)))
+        elif segments is not None:
+            inputs["attention_mask"] = shared_prompt_mask(*segments)
     read = place[:, -response_length - 1 : -1][response_mask]
     if sequence_group is not None:
         mask = None if causal else full_attention(inputs)
@@ -158,16 +176,18 @@ def same_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, response
     return torch.unique(prompts, dim=0, return_inverse=True)[1].tolist()
 
 
-def shared_prompt_places(same_prompt: list[int], attention_mask: torch.Tensor, response_length: int):
+def shared_prompt_places(same_prompt: list[int], attention_mask: torch.Tensor, response_length: int, one_row: bool = False):
     """Where each token of a micro-batch goes when the samples of one prompt share its tokens (Liu et al. 2025,
     "Prefix Grouper"): a segment holds a prompt once, then its samples' responses one after another, each response
     attending to the prompt and to itself only, at the positions it has after the prompt. The prompt's last output
     predicts every response's first token. Segments are packed into rows; none grows wider than SEGMENT_TOKENS or, if
-    more, than keeps the rows' attention scores (rows x width squared) about those of the padded rectangle.
+    more, than keeps the rows' attention scores (rows x width squared) about those of the padded rectangle; with
+    `one_row`, into one row (for a block mask, which holds no scores of segments that never meet).
 
     `same_prompt`: each row's prompt, as same_prompts gives it. Returns each token's flat place ([rows, width] read
-    flat), the width, the number of rows and the model's attention mask, [rows, 1, width, width] (True: may attend),
-    as a keyword argument.
+    flat), the width, the number of rows, and each place's segment and part ([rows, width] each; a part is 0 for a
+    prompt, else its response's own), from which shared_prompt_mask or a block mask (common/attention.py) says who
+    sees whom.
     """
     prompt_length = attention_mask.shape[1] - response_length
     prompt_mask, response_mask = attention_mask[:, :prompt_length], attention_mask[:, prompt_length:]
@@ -187,7 +207,7 @@ def shared_prompt_places(same_prompt: list[int], attention_mask: torch.Tensor, r
         members.append(row)
         open_segment[prompt] = (members, length + response_lengths[row])
     lengths = [prompt_lengths[members[0]] + sum(response_lengths[row] for row in members) for members in segments]
-    width = max(lengths)
+    width = sum(lengths) if one_row else max(lengths)
     row_of, offset_of = pack_rows(lengths, width)
     prompt_start, response_start = [0] * len(same_prompt), [0] * len(same_prompt)
     segment_of, part_of = [-1] * len(same_prompt), [0] * len(same_prompt)
@@ -207,12 +227,16 @@ def shared_prompt_places(same_prompt: list[int], attention_mask: torch.Tensor, r
     segment_at[tokens] = segment_of.expand_as(attention_mask)[attention_mask]
     part_at = torch.zeros_like(segment_at)
     part_at[place[:, prompt_length:][response_mask]] = part_of.expand_as(response_mask)[response_mask]
-    segment_at, part_at = segment_at.view(-1, width), part_at.view(-1, width)
-    same_segment = segment_at[:, :, None] == segment_at[:, None, :]
-    prompt_or_same_part = (part_at[:, None, :] == 0) | (part_at[:, :, None] == part_at[:, None, :])
-    causal = torch.ones(width, width, dtype=torch.bool, device=attention_mask.device).tril()
-    mask = same_segment & prompt_or_same_part & causal
-    return place, width, max(row_of) + 1, {"attention_mask": mask[:, None]}
+    return place, width, max(row_of) + 1, (segment_at.view(-1, width), part_at.view(-1, width))
+
+
+def shared_prompt_mask(segment: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """shared_prompt_places' attention as a dense mask, [rows, 1, width, width] (True: may attend): a token sees the
+    tokens before it in its segment that are the prompt's or its own response's."""
+    same_segment = segment[:, :, None] == segment[:, None, :]
+    prompt_or_same_part = (part[:, None, :] == 0) | (part[:, :, None] == part[:, None, :])
+    causal = torch.ones(segment.shape[1], segment.shape[1], dtype=torch.bool, device=segment.device).tril()
+    return (same_segment & prompt_or_same_part & causal)[:, None]
 
 
 @contextmanager

@@ -137,7 +137,7 @@ class PolicyWorker(FSDPWorker, EngineWorker):
         response_mask = micro["attention_mask"][:, -micro["responses"].shape[1] :].bool()
         responses = micro["responses"][response_mask]
         if self.log_prob_chunk_tokens is None:
-            logits = response_outputs(model, micro, self.layout, True, sequence_group=self.sequence_group)
+            logits = response_outputs(model, micro, self.layout, True, None, self.sequence_group, self.flex_from)
             log_probs, entropy = response_log_probs(logits, responses, self.temperature, with_entropy)
         else:
             chunked = functools.partial(
@@ -147,7 +147,7 @@ class PolicyWorker(FSDPWorker, EngineWorker):
                 with_entropy=with_entropy,
                 chunk_tokens=self.log_prob_chunk_tokens,
             )
-            outputs = response_outputs(model, micro, self.layout, True, chunked, self.sequence_group)
+            outputs = response_outputs(model, micro, self.layout, True, chunked, self.sequence_group, self.flex_from)
             log_probs, entropy = outputs[:, 0], outputs[:, -1]
         return rows_of(log_probs, response_mask), rows_of(entropy, response_mask) if with_entropy else None
 
@@ -281,7 +281,7 @@ class CriticWorker(FSDPWorker):
     def _forward(self, micro: DataProto) -> torch.Tensor:
         """The value of the state before each response token, 0 on padding."""
         response_mask = micro["attention_mask"][:, -micro["responses"].shape[1] :].bool()
-        values = response_outputs(self.model, micro, self.layout, False, sequence_group=self.sequence_group)[:, 0]
+        values = response_outputs(self.model, micro, self.layout, False, None, self.sequence_group, self.flex_from)[:, 0]
         return rows_of(values.float(), response_mask)
 
     @measured
@@ -359,7 +359,8 @@ class JudgeWorker(PolicyWorker):
         self.model.eval()
 
         def forward(micro: DataProto):
-            log_probs = torch.log_softmax(response_outputs(self.model, micro, self.layout, language_model=True).float(), -1)
+            outputs = response_outputs(self.model, micro, self.layout, True, flex_from=self.flex_from)
+            log_probs = torch.log_softmax(outputs.float(), -1)
             verdicts = [log_probs[:, yes_ids].logsumexp(-1), log_probs[:, no_ids].logsumexp(-1)]
             return torch.stack(verdicts, -1), log_probs.argmax(-1)
 

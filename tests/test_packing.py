@@ -17,6 +17,7 @@ from common.layouts import (
     response_outputs,
     rows_of,
     same_prompts,
+    shared_prompt_mask,
     shared_prompt_places,
 )
 
@@ -90,15 +91,16 @@ def test_shared_prompts_without_a_shared_prompt_pack_as_rows(tiny_model):
 def test_shared_prompts_run_once_for_their_samples_and_no_wider_than_the_padded_attention():
     batch = uneven_batch(100)
     mask = batch["attention_mask"].bool()
-    place, width, rows, inputs = shared_prompt_places(same_prompts(batch["input_ids"], mask, 6), mask, 6)
+    place, width, rows, segments = shared_prompt_places(same_prompts(batch["input_ids"], mask, 6), mask, 6)
     # Rows 0, 4 and 6 read row 0's prompt from the same places, rows 1 and 5 row 1's; every other token has its own.
     assert torch.equal(place[4, :7][mask[4, :7]], place[0, :7][mask[0, :7]]) and torch.equal(place[6, :7], place[0, :7])
     assert torch.equal(place[5, :7][mask[5, :7]], place[1, :7][mask[1, :7]])
     assert len(place[mask].unique()) == int(mask.sum()) - 7 - 7 - 3 == 40
     # Segments: row 0's prompt with its 3 responses (19 tokens), row 1's with 2 (10), rows 2 and 3 alone (8 and 3),
     # in rows as wide as the widest: 19, then 10 + 8, then 3.
-    assert width == 19 and rows == 3 and inputs["attention_mask"].shape == (3, 1, 19, 19)
-    attention = inputs["attention_mask"][0, 0]
+    attention = shared_prompt_mask(*segments)
+    assert width == 19 and rows == 3 and attention.shape == (3, 1, 19, 19)
+    attention = attention[0, 0]
     response_of_row_4 = place[4, 7:11] % width
     assert attention[response_of_row_4[-1]].sum() == 7 + 4  # the prompt and its own response, not row 0's
     # 12 samples of one prompt (7 tokens), each answer 300 tokens: one segment would hold 3,607 tokens and 13 million

@@ -1,0 +1,123 @@
+"""Packed rows and shared prompts through FlexAttention's block masks against padded micro-batches, on the tiny model.
+
+On the CPU torch computes no gradient through FlexAttention: there the passes with gradients take the dense mask
+(common/attention.py, runs_flex), which these tests check too; tests/gpu/test_one_device.py runs the same check on a
+GPU, where the gradients go through the block masks."""
+
+import pytest
+import torch
+
+from common.attention import CPU_WIDTH, flex_from, packed_segments, register, runs_flex, segment_block_mask
+from common.dataproto import DataProto
+from common.layouts import (
+    response_log_probs,
+    response_outputs,
+    rows_of,
+    same_prompts,
+    shared_prompt_mask,
+    shared_prompt_places,
+)
+
+
+def long_batch(vocab_size: int) -> DataProto:
+    """test_packing's uneven batch at twenty times its lengths: prompts of 20 to 140 tokens, responses of 20 to 120,
+    rows 4 to 6 sampling the prompts of rows 0, 1 and 0 again; its packed rows span several of FlexAttention's
+    128-token blocks, some of them full, some partial, some empty."""
+    prompt_lengths = torch.tensor([140, 60, 100, 20, 140, 60, 140])
+    response_lengths = torch.tensor([120, 20, 60, 40, 80, 120, 40])
+    prompt_mask = (torch.arange(140)[None] >= 140 - prompt_lengths[:, None]).long()
+    response_mask = (torch.arange(120)[None] < response_lengths[:, None]).long()
+    attention_mask = torch.cat([prompt_mask, response_mask], -1)
+    input_ids = torch.randint(3, vocab_size, attention_mask.shape, generator=torch.Generator().manual_seed(0))
+    input_ids[[4, 5, 6], :140] = input_ids[[0, 1, 0], :140]
+    input_ids = input_ids * attention_mask
+    return DataProto.from_dict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+            "responses": input_ids[:, 140:],
+        }
+    )
+
+
+def block_mask_agrees(block_mask, dense: torch.Tensor) -> bool:
+    """Whether `block_mask` marks empty the blocks of `dense` ([rows, 1, width, width]) that nobody sees, full those
+    everybody sees, and its mask function gives `dense` in the partial ones."""
+    rows, _, width, _ = dense.shape
+    block = block_mask.BLOCK_SIZE[0]
+    blocks = -(-width // block)
+    padded = torch.nn.functional.pad(dense[:, 0], (0, blocks * block - width, 0, blocks * block - width))
+    squares = padded.view(rows, blocks, block, blocks, block).transpose(2, 3)  # [rows, q block, kv block, q, kv]
+    states = block_mask.to_dense()[:, 0].bool()  # a block is listed as partial or full
+    full = torch.zeros_like(states)
+    for row in range(rows):
+        for q in range(blocks):
+            for kv in block_mask.full_kv_indices[row, 0, q, : block_mask.full_kv_num_blocks[row, 0, q]].tolist():
+                full[row, q, kv] = True
+    places = torch.arange(width)
+    by_mask_mod = block_mask.mask_mod(torch.arange(rows)[:, None, None], 0, places[None, :, None], places[None, None])
+    in_width = torch.zeros_like(padded)
+    in_width[:, :width, :width] = True
+    whole_in_width = in_width.view(rows, blocks, block, blocks, block).transpose(2, 3).all(-1).all(-1)
+    return (
+        torch.equal(states, squares.any(-1).any(-1))
+        and torch.equal(full & whole_in_width, squares.all(-1).all(-1) & whole_in_width)
+        and torch.equal(by_mask_mod, dense[:, 0])
+    )
+
+
+def test_block_masks_say_who_sees_whom_as_the_dense_masks_do():
+    batch = long_batch(100)
+    mask = batch["attention_mask"].bool()
+    _, width, rows, segments = shared_prompt_places(same_prompts(batch["input_ids"], mask, 120), mask, 120)
+    assert width > 2 * 128
+    assert block_mask_agrees(segment_block_mask(*segments), shared_prompt_mask(*segments))
+    # packed sequences, three in a row of 300, then padding: each padding token a sequence of its own
+    positions = torch.cat([torch.arange(100), torch.arange(150), torch.arange(30), torch.zeros(20, dtype=torch.long)])[None]
+    sequence = packed_segments(positions)
+    causal = torch.ones(300, 300, dtype=torch.bool).tril()
+    dense = ((sequence[:, :, None] == sequence[:, None, :]) & causal)[:, None]
+    assert block_mask_agrees(segment_block_mask(sequence), dense)
+
+
+def flex_against_padded(model_path: str, device: str, layout: str):
+    """(padded, through block masks) each as log-probs, entropies and gradients of a loss over the long batch, the
+    model in fp32; with gradients, the block masks where runs_flex lets them run (not on the CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    results, attention = [], register()
+    for flex in (None, 0):
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attention).to(device)
+        batch = long_batch(model.config.vocab_size).to(device)
+        mask = batch["attention_mask"][:, 140:].bool()
+        run = "padded" if flex is None else layout
+        with torch.no_grad():
+            logits = response_outputs(model.eval(), batch, run, language_model=True, flex_from=flex)
+            log_probs, entropy = response_log_probs(logits, batch["responses"][mask], 1.0, with_entropy=True)
+        logits = response_outputs(model.train(), batch, run, language_model=True, flex_from=flex)
+        trained, _ = response_log_probs(logits, batch["responses"][mask], 1.0, with_entropy=False)
+        (-(trained * torch.linspace(-1, 1, len(trained), device=device)).mean()).backward()
+        gradients = {name: p.grad.cpu() for name, p in model.named_parameters()}
+        results.append((rows_of(log_probs, mask).cpu(), rows_of(entropy, mask).cpu(), gradients))
+    return results
+
+
+@pytest.mark.parametrize("layout", ["rows", "shared prompts"])
+def test_block_masks_give_the_padded_log_probs_entropies_and_gradients(tiny_model, layout):
+    padded, flex = flex_against_padded(tiny_model, "cpu", layout)
+    (padded_log_probs, padded_entropy, padded_grads), (log_probs, entropy, grads) = padded, flex
+    assert torch.all(padded_log_probs[long_batch(100)["attention_mask"][:, 140:].bool()] < 0)
+    torch.testing.assert_close(log_probs, padded_log_probs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, padded_entropy, rtol=1e-5, atol=1e-5)
+    for name, gradient in padded_grads.items():
+        torch.testing.assert_close(grads[name], gradient, rtol=1e-4, atol=1e-6)
+
+
+def test_the_cpu_takes_block_masks_for_wide_rows_without_gradients_and_a_gpu_for_all():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert flex_from(cpu, micro_batch_tokens=0) is None and flex_from(cpu, CPU_WIDTH) == CPU_WIDTH
+    assert flex_from(gpu, micro_batch_tokens=0) == 0
+    with torch.no_grad():
+        assert runs_flex(CPU_WIDTH, cpu, CPU_WIDTH) and not runs_flex(CPU_WIDTH - 1, cpu, CPU_WIDTH)
+    assert not runs_flex(CPU_WIDTH, cpu, CPU_WIDTH) and runs_flex(1, gpu, 0) and not runs_flex(1, gpu, None)
