@@ -7,7 +7,7 @@ GPU, where the gradients go through the block masks."""
 import pytest
 import torch
 
-from common.attention import CPU_WIDTH, flex_from, packed_segments, register, runs_flex, segment_block_mask
+from common.attention import CPU_WIDTH, GPU_WIDTH, flex_from, packed_segments, register, runs_flex, segment_block_mask
 from common.dataproto import DataProto
 from common.layouts import (
     response_log_probs,
@@ -114,10 +114,12 @@ def test_block_masks_give_the_padded_log_probs_entropies_and_gradients(tiny_mode
         torch.testing.assert_close(grads[name], gradient, rtol=1e-4, atol=1e-6)
 
 
-def test_the_cpu_takes_block_masks_for_wide_rows_without_gradients_and_a_gpu_for_all():
+def test_block_masks_for_wide_rows_on_the_cpu_without_gradients_and_on_a_gpu_with():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert flex_from(cpu, micro_batch_tokens=0) is None and flex_from(cpu, CPU_WIDTH) == CPU_WIDTH
-    assert flex_from(gpu, micro_batch_tokens=0) == 0
+    assert flex_from(gpu, micro_batch_tokens=0) is None and flex_from(gpu, CPU_WIDTH) is None
+    assert flex_from(gpu, GPU_WIDTH) == GPU_WIDTH
     with torch.no_grad():
         assert runs_flex(CPU_WIDTH, cpu, CPU_WIDTH) and not runs_flex(CPU_WIDTH - 1, cpu, CPU_WIDTH)
-    assert not runs_flex(CPU_WIDTH, cpu, CPU_WIDTH) and runs_flex(1, gpu, 0) and not runs_flex(1, gpu, None)
+    assert not runs_flex(CPU_WIDTH, cpu, CPU_WIDTH) and not runs_flex(1, gpu, None)
+    assert runs_flex(GPU_WIDTH, gpu, GPU_WIDTH) and not runs_flex(GPU_WIDTH - 1, gpu, GPU_WIDTH)

@@ -13,7 +13,7 @@ from test_flex_attention import flex_against_padded
 from test_packing import uneven_batch
 
 import grpo_hybrid
-from common.attention import ATTENTION, CPU_WIDTH
+from common.attention import ATTENTION, CPU_WIDTH, GPU_WIDTH
 from common.dataproto import DataProto
 from common.workers import PolicyWorker, measured
 
@@ -106,14 +106,14 @@ def test_packed_micro_batches_and_shared_prompts_give_the_padded_log_probs(devic
 def test_block_masks_give_the_padded_log_probs_entropies_and_gradients(device, tiny_model):
     """Shared prompts through FlexAttention against the padded micro-batch (on the CPU the gradients take the dense
     mask, torch having no FlexAttention backward there); a policy worker takes block masks after its start-up check,
-    on a GPU for every packed row, on the CPU where its micro-batches may hold rows of CPU_WIDTH tokens."""
+    where its micro-batches may hold rows of CPU_WIDTH tokens on the CPU, GPU_WIDTH on a GPU."""
     padded, flex = flex_against_padded(tiny_model, device, "shared prompts")
     for padded_values, flex_values in zip(padded[:2], flex[:2]):
         torch.testing.assert_close(flex_values, padded_values, rtol=1e-5, atol=1e-5)
     for name, gradient in padded[2].items():
         torch.testing.assert_close(flex[2][name], gradient, rtol=1e-4, atol=1e-5)
-    with policy_on(device, tiny_model, compute_dtype="float32", micro_batch_tokens=CPU_WIDTH) as worker:
-        assert worker.attention == ATTENTION and worker.flex_from == (0 if device == "cuda" else CPU_WIDTH)
+    with policy_on(device, tiny_model, compute_dtype="float32", micro_batch_tokens=GPU_WIDTH) as worker:
+        assert worker.attention == ATTENTION and worker.flex_from == (GPU_WIDTH if device == "cuda" else CPU_WIDTH)
         batch = uneven_batch(worker.model.config.vocab_size)
         worker.flex_from = 0
         flex = worker.compute_log_prob(batch)["old_log_probs"]
