@@ -9,36 +9,15 @@ import torch
 
 from common.attention import CPU_WIDTH, GPU_WIDTH, flex_from, packed_segments, register, runs_flex, segment_block_mask
 from common.dataproto import DataProto
-from common.layouts import (
-    response_log_probs,
-    response_outputs,
-    rows_of,
-    same_prompts,
-    shared_prompt_mask,
-    shared_prompt_places,
-)
+from common.layouts import response_log_probs, response_outputs, rows_of, same_prompts, shared_prompt_mask
+from common.layouts import shared_prompt_places
+from test_packing import uneven_batch
 
 
 def long_batch(vocab_size: int) -> DataProto:
-    """test_packing's uneven batch at twenty times its lengths: prompts of 20 to 140 tokens, responses of 20 to 120,
-    rows 4 to 6 sampling the prompts of rows 0, 1 and 0 again; its packed rows span several of FlexAttention's
-    128-token blocks, some of them full, some partial, some empty."""
-    prompt_lengths = torch.tensor([140, 60, 100, 20, 140, 60, 140])
-    response_lengths = torch.tensor([120, 20, 60, 40, 80, 120, 40])
-    prompt_mask = (torch.arange(140)[None] >= 140 - prompt_lengths[:, None]).long()
-    response_mask = (torch.arange(120)[None] < response_lengths[:, None]).long()
-    attention_mask = torch.cat([prompt_mask, response_mask], -1)
-    input_ids = torch.randint(3, vocab_size, attention_mask.shape, generator=torch.Generator().manual_seed(0))
-    input_ids[[4, 5, 6], :140] = input_ids[[0, 1, 0], :140]
-    input_ids = input_ids * attention_mask
-    return DataProto.from_dict(
-        {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-            "responses": input_ids[:, 140:],
-        }
-    )
+    """test_packing's uneven batch at twenty times its lengths: prompts of 20 to 140 tokens, responses of 20 to 120;
+    its packed rows span several of FlexAttention's 128-token blocks, some of them full, some partial, some empty."""
+    return uneven_batch(vocab_size, scale=20)
 
 
 def block_mask_agrees(block_mask, dense: torch.Tensor) -> bool:
