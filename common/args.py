@@ -119,9 +119,9 @@ class RunArgs:
     """tokens (prompt and response, no padding) per forward/backward on one worker, as many sequences as fit, in place
     of --micro-batch-size; at least --max-prompt-length + --max-response-length (0: count sequences instead); `auto`:
     the most that fit in --max-memory-share, measured at start-up, halved for good if an update still runs out"""
-    max_memory_share: float = flag(0.8, resumable=True, positive=True)
+    max_memory_share: float | None = flag(None, resumable=True, positive=True)
     """with --micro-batch-tokens auto: the share of a GPU's memory, or on CPUs of the machine's, that the worker
-    processes sharing it may use together (docs/gpus.md)"""
+    processes sharing it may use together (default 0.8; docs/gpus.md)"""
     ppo_epochs: int = flag(1, positive=True)
     """passes over each batch"""
     lr: float = 1e-6
@@ -231,8 +231,13 @@ def check_args(args: RunArgs) -> None:
     longest = args.max_prompt_length + args.max_response_length
     if args.log_prob_chunk_tokens < 0:
         raise ValueError(f"--log-prob-chunk-tokens is {args.log_prob_chunk_tokens}; use 0 for all at once, or more")
-    if args.max_memory_share > 1:
+    if args.max_memory_share is not None and args.max_memory_share > 1:
         raise ValueError(f"--max-memory-share is {args.max_memory_share}; it is a share of the memory, at most 1")
+    if args.max_memory_share is not None and args.micro_batch_tokens != "auto":
+        raise ValueError(
+            f"--max-memory-share {args.max_memory_share} sizes the micro-batches of --micro-batch-tokens auto; pass both, "
+            "or leave it out"
+        )
     if args.micro_batch_tokens != "auto" and args.micro_batch_tokens < 0:
         raise ValueError(f"--micro-batch-tokens is {args.micro_batch_tokens}; use 0 to count sequences, auto, or more")
     if args.micro_batch_tokens != "auto" and 0 < args.micro_batch_tokens < longest:

@@ -149,7 +149,8 @@ class Run:
         )
         group = self.groups[name] = WorkerGroup(worker_cls, self.pool, name, **(defaults | settings))
         if args.micro_batch_tokens == "auto":  # measured once all of the worker is in memory (its engine too)
-            group.broadcast("keep_memory_within", args.max_memory_share, 1 if self.pool is None else self.pool.max_colocated)
+            share = 0.8 if args.max_memory_share is None else args.max_memory_share
+            group.broadcast("keep_memory_within", share, 1 if self.pool is None else self.pool.max_colocated)
             group.broadcast("fit_micro_batch_tokens", args.max_prompt_length, args.max_response_length)
         return group
 
