@@ -42,7 +42,7 @@ class RolloutWorkers:
         wait_all(policy.submit("join_weight_group", address, size), self.group.submit("join_weight_group", address, size))
         # ("weights", version, the trainer's probe log-probs, call) and
         # ("batch", prompts, the data's position, the engines' peak memory, call)
-        self.in_flight, self.version, self.receiving = collections.deque(), None, None
+        self.in_flight, self.version = collections.deque(), None
 
     def send_weights(self, version: int) -> None:
         """Queue the policy's weights of update `version`, behind what the engines were asked before, unless queued.
@@ -51,14 +51,15 @@ class RolloutWorkers:
         names an engine that died (WorkerDied) rather than the broken connection the policy would report."""
         if version == self.version:
             return
-        if self.receiving is not None:
-            self.receiving.result()
+        for kind, *_, call in self.in_flight:  # the weights the engines have not yet been seen to take
+            if kind == "weights":
+                call.result()
         response = self.probe["response_mask"].bool()
         trainer_probe = self.policy.scatter("probe_log_probs", self.probe.select(*LOG_PROB_INPUTS))["old_log_probs"][response]
         self.policy.submit("send_weights", self.sends_adapter).result()
         tokens = self.probe["input_ids"][self.probe["attention_mask"].bool()].tolist()
-        self.receiving = self.group.submit("receive_weights", version, tokens, len(trainer_probe))
-        self.in_flight.append(("weights", version, trainer_probe, self.receiving))
+        receive = self.group.submit("receive_weights", version, tokens, len(trainer_probe))
+        self.in_flight.append(("weights", version, trainer_probe, receive))
         self.version = version
 
     def ask(self, prompts: DataProto, position: dict, **generate) -> None:
