@@ -50,6 +50,13 @@ def ray_workers(since: float) -> list[psutil.Process]:
     ]  # fmt: skip
 
 
+def alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def kill_when(started: float, process, title: str) -> None:
     """SIGKILL the first Ray actor started since `started` whose process title matches `title` as soon as one does:
     Ray titles an actor's process ray::<class>.<method> while the method runs, ray::<class> while it waits."""
@@ -189,8 +196,37 @@ def test_a_full_disk_keeps_the_previous_checkpoint(uninterrupted, small_disk):
     continue_as_told(stderr, small_disk, uninterrupted)
 
 
+def test_a_host_short_of_memory_stops_the_run_through_rays_memory_monitor_and_it_resumes(uninterrupted, tmp_path, monkeypatch):
+    """The run on a Ray of its own whose memory monitor acts 3 GB above what the machine uses now (its default is 95%
+    of the memory); once it trains, this test takes memory until the monitor kills a worker, with the driver stopped
+    meanwhile (SIGSTOP) so that the run cannot end first: it meets the dead worker at its next call."""
+    total = psutil.virtual_memory().total
+    threshold = (total - psutil.virtual_memory().available + 3 * 2**30) / total
+    if threshold > 0.9:
+        pytest.skip("the machine has less than 4 GB of memory free")
+    monkeypatch.delenv("RAY_ADDRESS")
+    monkeypatch.setenv("RAY_memory_usage_threshold", f"{threshold:.4f}")
+    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "100")
+    started = time.time()
+    process = start_script(*STEPS, cwd=tmp_path)
+    monkeypatch.undo()
+    wait_for_steps(tmp_path, 1, process)
+    workers = [p for p in ray_workers(started) if "PolicyWorker" in p.info["cmdline"][0]]
+    os.kill(process.pid, signal.SIGSTOP)
+    taken = []
+    while all(map(alive, workers)) and len(taken) < 4 * 8:  # up to 8 GB, a quarter of a GB at a time, each page written
+        taken.append(bytearray(2**28))
+        time.sleep(0.05)
+    taken.clear()
+    os.kill(process.pid, signal.SIGCONT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode != 0
+    stop = r"the policy worker rank \d died during '\w+' \(Ray's memory monitor stopped it, its machine short of memory\)"
+    assert re.search(stop + ": to need less memory, lower --", stderr), stderr[-3000:]
+    continue_as_told(stderr, tmp_path, uninterrupted)
+
+
 def test_a_worker_stopped_by_rays_memory_monitor_names_the_flags_that_lower_memory():
-    # Ray's memory monitor is not safe to set off on a shared test machine: the message alone
     from common.run import likely_cause
     from common.worker_group import WorkerDied
 
