@@ -128,12 +128,15 @@ class Run:
         from common.worker_group import WorkerGroup
 
         args = self.args
+        longest = args.max_prompt_length + args.max_response_length
         defaults = dict(
             model_path=args.model_path,
             epochs=args.ppo_epochs,
             mini_batch_size=args.mini_batch_size * args.n,
             micro_batch_size=args.micro_batch_size,
-            micro_batch_tokens=0 if args.micro_batch_tokens == "auto" else args.micro_batch_tokens,
+            # auto: one longest sequence's tokens until fit_micro_batch_tokens measures the budget, never less (so a
+            # worker whose sequences reach attention.flex_from's width sets up its block masks)
+            micro_batch_tokens=longest if args.micro_batch_tokens == "auto" else args.micro_batch_tokens,
             seed=args.seed,
             lr=args.lr,
             weight_decay=args.weight_decay,
