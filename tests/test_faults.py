@@ -16,15 +16,16 @@ from safetensors.torch import load_file
 
 from common.checkpoint import complete_checkpoints
 from test_long_runs import comparable, metric_rows, run_script, start_script, wait_for_steps
+from test_reward_model import reward_model  # noqa: F401 (a fixture)
 
 STEPS = ["--total-steps", "4", "--save-freq", "1", "--keep-last", "1"]
 # The engine apart from the policy generates the next batch while the policy trains on this one
 ASYNC = ["--num-workers", "1", "--rollout-workers", "1", "--rollout-engine", "hf", "--max-staleness", "1"]
 
 
-def run_to_the_end(folder, algo: str):
+def run_to_the_end(folder, algo: str, *flags):
     """The metrics and the exported weights of the run that the interrupted ones must end up as."""
-    code, _, stderr = run_script(*STEPS, cwd=folder, algo=algo)
+    code, _, stderr = run_script(*STEPS, *flags, cwd=folder, algo=algo)
     assert code == 0, stderr[-3000:]
     [run_dir] = (folder / "runs").iterdir()
     return metric_rows(run_dir), load_file(run_dir / "model" / "model.safetensors")
@@ -38,6 +39,11 @@ def uninterrupted(ray_cluster, demo_files, tmp_path_factory):
 @pytest.fixture(scope="module")
 def uninterrupted_ppo(ray_cluster, demo_files, tmp_path_factory):
     return run_to_the_end(tmp_path_factory.mktemp("uninterrupted_ppo"), "ppo")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_with_reward_model(ray_cluster, demo_files, reward_model, tmp_path_factory):  # noqa: F811
+    return run_to_the_end(tmp_path_factory.mktemp("uninterrupted_rm"), "grpo", "--reward-model", reward_model)
 
 
 def ray_workers(since: float) -> list[psutil.Process]:
@@ -57,17 +63,31 @@ def alive(process: psutil.Process) -> bool:
         return False
 
 
-def kill_when(started: float, process, title: str) -> None:
-    """SIGKILL the first Ray actor started since `started` whose process title matches `title` as soon as one does:
-    Ray titles an actor's process ray::<class>.<method> while the method runs, ray::<class> while it waits."""
+def title_of(process: psutil.Process) -> str:
+    """A process's title ('' once it has ended)."""
+    try:
+        return (process.cmdline() or [""])[0]
+    except psutil.NoSuchProcess:
+        return ""
+
+
+def kill_when(started: float, process, actor: str, method: str | None) -> None:
+    """SIGKILL a Ray actor of the class `actor` started since `started` as soon as it runs a method that `method`
+    matches, or (None) while it waits for a call: Ray titles an actor's process ray::<class>.<method> while the method
+    runs, ray::<class> while it waits. Only the actor's own processes are read then, so a call of milliseconds is met."""
+    title = f"ray::{actor}" + ("" if method is None else rf"\.({method})")
     deadline = time.time() + 120
+    workers = []
+    while not workers:
+        workers = [p for p in ray_workers(started) if re.match(rf"ray::{actor}\b", p.info["cmdline"][0])]
+        assert process.poll() is None and time.time() < deadline, process.communicate()[1][-3000:]
     while time.time() < deadline:
-        for worker in ray_workers(started):
-            if re.fullmatch(title, worker.info["cmdline"][0]):
+        for worker in workers:
+            if re.fullmatch(title, title_of(worker)):
                 worker.kill()
                 return
         assert process.poll() is None, process.communicate()[1][-3000:]
-        time.sleep(0.005)
+        time.sleep(0.001)
     raise TimeoutError(f"no actor titled {title}")
 
 
@@ -90,16 +110,18 @@ def continues(command: str, checkpoint: str, cwd, uninterrupted) -> None:
     assert all(torch.equal(exported[name], weights[name]) for name in weights)
 
 
-def test_a_killed_policy_worker_names_the_checkpoint_and_the_command(uninterrupted, tmp_path):
+@pytest.mark.parametrize("method", ["generate", "compute_ref_log_prob", "update"])
+def test_a_killed_policy_worker_names_the_checkpoint_and_the_command(uninterrupted, tmp_path, method):
+    """Killed in each phase of a step it runs: generation, the reference's log-probs (the reference lives in the
+    policy's worker), the update."""
     started = time.time()
     process = start_script(*STEPS, cwd=tmp_path)
-    wait_for_steps(tmp_path, 2, process)
-    workers = [p for p in ray_workers(started) if "PolicyWorker" in p.info["cmdline"][0]]
-    assert workers
-    workers[-1].kill()
+    wait_for_steps(tmp_path, 1, process)
+    kill_when(started, process, "PolicyWorker", method)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode != 0
-    assert re.search(r"the policy worker rank \d died during '\w+' \(its process ended\): killed \(SIGKILL", stderr)
+    stop = rf"the policy worker rank \d died during '{method}' \(its process ended\): killed \(SIGKILL"
+    assert re.search(stop, stderr), stderr[-3000:]
     continue_as_told(stderr, tmp_path, uninterrupted)
     assert not [p for p in ray_workers(started) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
@@ -108,7 +130,7 @@ def test_a_critic_worker_killed_in_its_phase_names_the_critic(uninterrupted_ppo,
     started = time.time()
     process = start_script(*STEPS, cwd=tmp_path, algo="ppo")
     wait_for_steps(tmp_path, 1, process)
-    kill_when(started, process, r"ray::CriticWorker\.(compute_values|update)")
+    kill_when(started, process, "CriticWorker", "compute_values|update")
     _, stderr = process.communicate(timeout=120)
     assert process.returncode != 0
     stop = r"the critic worker rank \d died during '\w+' \(its process ended\): killed \(SIGKILL"
@@ -116,8 +138,21 @@ def test_a_critic_worker_killed_in_its_phase_names_the_critic(uninterrupted_ppo,
     continue_as_told(stderr, tmp_path, uninterrupted_ppo)
 
 
-@pytest.mark.parametrize("title", [r"ray::RolloutWorker\.generate", "ray::RolloutWorker"], ids=["generating", "waiting"])
-def test_a_killed_rollout_worker_names_it_and_leaves_the_checkpoint_whole(ray_cluster, demo_files, tmp_path, title):
+def test_a_reward_model_worker_killed_names_it(uninterrupted_with_reward_model, reward_model, tmp_path):  # noqa: F811
+    """Killed while it scores or waits to: its next call, the step's scoring or its report of peak memory, meets it."""
+    started = time.time()
+    process = start_script(*STEPS, "--reward-model", reward_model, cwd=tmp_path)
+    wait_for_steps(tmp_path, 1, process)
+    kill_when(started, process, "RewardModelWorker", None)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode != 0
+    stop = r"the reward_model worker rank \d died during '\w+' \(its process ended\): killed \(SIGKILL"
+    assert re.search(stop, stderr), stderr[-3000:]
+    continue_as_told(stderr, tmp_path, uninterrupted_with_reward_model)
+
+
+@pytest.mark.parametrize("method", ["generate", None], ids=["generating", "waiting"])
+def test_a_killed_rollout_worker_names_it_and_leaves_the_checkpoint_whole(ray_cluster, demo_files, tmp_path, method):
     """An engine apart from the policy killed while it generates, or while it waits for prompts or weights (then the
     policy's next weight send is the first to miss it, and would report only a connection reset by its peer). The
     batches generated before go on feeding steps until the next weights are due; the resumed run generates again from
@@ -125,7 +160,7 @@ def test_a_killed_rollout_worker_names_it_and_leaves_the_checkpoint_whole(ray_cl
     started = time.time()
     process = start_script(*ASYNC, "--total-steps", "12", "--save-freq", "1", "--keep-last", "1", cwd=tmp_path)
     run_dir = wait_for_steps(tmp_path, 1, process)
-    kill_when(started, process, title)
+    kill_when(started, process, "RolloutWorker", method)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode != 0
     stop = r"the rollout worker rank 0 died during '\w+' \(its process ended\): killed \(SIGKILL"
@@ -148,8 +183,8 @@ def test_a_killed_driver_leaves_no_worker_and_resumes(uninterrupted, tmp_path):
     assert workers
     process.kill()
     process.communicate(timeout=60)
-    _, alive = psutil.wait_procs(workers, timeout=30)
-    assert not alive, [p.info["cmdline"][0] for p in alive]
+    _, left = psutil.wait_procs(workers, timeout=30)
+    assert not left, [p.info["cmdline"][0] for p in left]
     # a driver killed has no chance to say where the run stands: the same command with --resume auto takes the last
     last = complete_checkpoints(next((tmp_path / "runs").iterdir()))[-1]
     continues(shlex.join([*process.args, "--resume", "auto"]), str(last.resolve()), tmp_path, uninterrupted)
