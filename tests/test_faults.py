@@ -63,6 +63,17 @@ def alive(process: psutil.Process) -> bool:
         return False
 
 
+@pytest.fixture(autouse=True)
+def no_worker_left():
+    """No Ray worker started by a test's runs outlives them (checked after each test, waiting up to 30 s)."""
+    started = time.time()
+    yield
+    deadline = time.time() + 30
+    while (left := [title_of(p) for p in ray_workers(started) if alive(p)]) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not left
+
+
 def title_of(process: psutil.Process) -> str:
     """A process's title ('' once it has ended)."""
     try:
@@ -123,7 +134,6 @@ def test_a_killed_policy_worker_names_the_checkpoint_and_the_command(uninterrupt
     stop = rf"the policy worker rank \d died during '{method}' \(its process ended\): killed \(SIGKILL"
     assert re.search(stop, stderr), stderr[-3000:]
     continue_as_told(stderr, tmp_path, uninterrupted)
-    assert not [p for p in ray_workers(started) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 def test_a_critic_worker_killed_in_its_phase_names_the_critic(uninterrupted_ppo, tmp_path):
