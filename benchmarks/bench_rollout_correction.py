@@ -12,10 +12,12 @@ engine's gap bound is lifted (--max-rollout-logprob-diff 0): a bf16 engine is ex
 - `icepop`: token weights up to 5, tokens whose ratio leaves [0.5, 5] rejected.
 
 Prints per run the held-out accuracy after the last step and the range over the steps of the diagnostics
-(docs/off-policy-correction.md); --out writes every step's diagnostics as JSON, for a picture of the mismatch KL.
+(docs/off-policy-correction.md); --out writes every step's diagnostics as JSON, --plot draws the mismatch KL (k3) and
+the effective sample size over the steps, from the runs or (--records) from a JSON that --out wrote.
 
     python benchmarks/bench_rollout_correction.py                            # every setting, seeds 1 to 3
     python benchmarks/bench_rollout_correction.py --settings none icepop --seeds 1 --out correction.json
+    python benchmarks/bench_rollout_correction.py --records correction.json --plot correction.png
 """
 
 import argparse
@@ -24,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from plot_runs import require_matplotlib
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,6 +69,27 @@ def run(flags: list[str], seed: int, steps: int, staleness: int) -> list[dict]:
         return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
+def plot(records: list[dict], out: Path) -> None:
+    """The mismatch KL (k3) and the effective sample size of each run, against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for record in records:
+        label = f"{record['setting']} (seed {record['seed']}): {record['accuracy']:.0%}"
+        steps = range(1, len(record["steps"]) + 1)
+        for ax, name in zip(axes, ("kl_k3", "ess")):
+            ax.plot(steps, [row[f"rollout_corr/{name}"] for row in record["steps"]], label=label)
+    axes[0].set(xlabel="step", ylabel="KL(rollout || trainer), k3 estimator", yscale="log")
+    axes[1].set(xlabel="step", ylabel="effective sample size (1: every weight equal)")
+    axes[0].legend(title="setting: held-out accuracy", fontsize="small")
+    figure.tight_layout()
+    figure.savefig(out, dpi=100)
+    print(f"drew {len(records)} runs into {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
@@ -73,7 +98,16 @@ def main() -> None:
     parser.add_argument("--k3-threshold", type=float, default=0.01, help="the mean k3 above which a sequence is rejected")
     parser.add_argument("--settings", nargs="+", default=None, help="some of: none token-is sequence-is ...")
     parser.add_argument("--out", type=Path, help="every step's diagnostics, as JSON")
+    parser.add_argument("--plot", type=Path, help="a picture of the mismatch KL and the ESS over the steps")
+    parser.add_argument("--records", type=Path, help="draw --plot from this --out JSON instead of running")
     options = parser.parse_args()
+    if options.plot:
+        require_matplotlib()
+    if options.records:
+        if not options.plot:
+            parser.error("--records draws a picture: pass --plot too")
+        plot(json.loads(options.records.read_text()), options.plot)
+        return
     menu = settings(options.k3_threshold)
     chosen = options.settings or list(menu)
     unknown = sorted(set(chosen) - set(menu))
@@ -98,6 +132,8 @@ def main() -> None:
             records.append({"setting": setting, "seed": seed, "accuracy": rows[-1]["val/accuracy"], "steps": steps})
     if options.out:
         options.out.write_text(json.dumps(records, indent=1))
+    if options.plot:
+        plot(records, options.plot)
 
 
 if __name__ == "__main__":
