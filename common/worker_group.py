@@ -38,6 +38,46 @@ def _died() -> tuple[type[BaseException], ...]:
     return (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError)
 
 
+def _gather(calls: list[tuple]) -> list:
+    """The results of Ray calls, each given as (ref, group's name, rank, method), in their order. Waited for in
+    completion order, so that a rank that dies is reported at once (WorkerDied), not after its peers time out inside a
+    collective with it; a rank whose collective lost a peer can even fail before Ray reports that peer dead, and the
+    dead one is then the fault named."""
+    import ray
+
+    named = {call[0]: call[1:] for call in calls}
+    results, pending = {}, list(named)
+    while pending:
+        [ready], pending = ray.wait(pending, num_returns=1)
+        try:
+            results[ready] = ray.get(ready)
+        except _died() as error:
+            raise _worker_died(*named[ready], error) from error
+        except Exception as error:
+            dead = _first_dead(pending)
+            if dead is None:
+                raise
+            raise _worker_died(*named[dead[0]], dead[1]) from error
+    return [results[call[0]] for call in calls]
+
+
+def _first_dead(pending: list, seconds: float = 5.0) -> tuple | None:
+    """(ref, Ray's error) of the first of the `pending` calls whose worker is found dead within `seconds`, if any."""
+    import ray
+
+    if not pending:
+        return None
+    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=seconds)
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except _died() as error:
+            return ref, error
+        except Exception:
+            continue
+    return None
+
+
 def _worker_died(group: str, rank: int, method: str, error: BaseException) -> WorkerDied:
     import ray
 
@@ -147,19 +187,7 @@ class WorkerGroup:
     def _get(self, refs, method: str) -> list:
         if self.in_process:
             return refs
-        import ray
-
-        # Wait in completion order so that a dead rank is reported at once, not
-        # after its peers time out inside a collective.
-        rank_of = {ref: rank for rank, ref in enumerate(refs)}
-        results, pending = [None] * len(refs), list(refs)
-        while pending:
-            [ready], pending = ray.wait(pending, num_returns=1)
-            try:
-                results[rank_of[ready]] = ray.get(ready)
-            except _died() as error:
-                raise _worker_died(self.name, rank_of[ready], method, error) from error
-        return results
+        return _gather([(ref, self.name, rank, method) for rank, ref in enumerate(refs)])
 
     def broadcast(self, method: str, *args, **kwargs) -> list:
         """Call `method` with the same arguments on every rank; one result per rank."""
@@ -235,14 +263,5 @@ def wait_all(*calls: Pending) -> list:
     """The results of methods under way on several groups whose ranks meet in one collective (the policy sending
     weights, the rollout workers receiving them): a rank that dies in either group is reported at once, not after
     the others time out waiting for it."""
-    import ray
-
-    pending = [ref for call in calls if not call.group.in_process for ref in call.refs]
-    while pending:
-        [ready], pending = ray.wait(pending, num_returns=1)
-        call = next(call for call in calls if ready in call.refs)
-        try:
-            ray.get(ready)
-        except _died() as error:
-            raise _worker_died(call.group.name, call.refs.index(ready), call.method, error) from error
+    _gather([(ref, c.group.name, rank, c.method) for c in calls if not c.group.in_process for rank, ref in enumerate(c.refs)])
     return [call.result() for call in calls]

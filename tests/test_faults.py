@@ -6,17 +6,22 @@ import re
 import shlex
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
+from ray import cloudpickle
 from safetensors.torch import load_file
 
 from common.checkpoint import complete_checkpoints
+from common.worker_group import Worker, WorkerDied, WorkerGroup
 from test_long_runs import comparable, metric_rows, run_script, start_script, wait_for_steps
 from test_reward_model import reward_model  # noqa: F401 (a fixture)
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Peers' workers have no tests folder to import from
 
 STEPS = ["--total-steps", "4", "--save-freq", "1", "--keep-last", "1"]
 # The engine apart from the policy generates the next batch while the policy trains on this one
@@ -47,13 +52,20 @@ def uninterrupted_with_reward_model(ray_cluster, demo_files, reward_model, tmp_p
 
 
 def ray_workers(since: float) -> list[psutil.Process]:
-    """The Ray actors started since `since` (the tests share one Ray cluster)."""
+    """The Ray actors started since `since` under this test process: by the Ray instance the tests share, or one a
+    script started for itself; not those of another Ray on the machine."""
     return [
         p
-        for p in psutil.process_iter(["cmdline", "create_time"])
-        if (p.info["cmdline"] or [""])[0].startswith("ray::") and "Worker" in p.info["cmdline"][0]
-        and p.info["create_time"] >= since - 1
-    ]  # fmt: skip
+        for p in psutil.Process().children(recursive=True)
+        if title_of(p).startswith("ray::") and "Worker" in title_of(p) and created_at(p) >= since - 1
+    ]
+
+
+def created_at(process: psutil.Process) -> float:
+    try:
+        return process.create_time()
+    except psutil.NoSuchProcess:
+        return 0.0
 
 
 def alive(process: psutil.Process) -> bool:
@@ -90,7 +102,7 @@ def kill_when(started: float, process, actor: str, method: str | None) -> None:
     deadline = time.time() + 120
     workers = []
     while not workers:
-        workers = [p for p in ray_workers(started) if re.match(rf"ray::{actor}\b", p.info["cmdline"][0])]
+        workers = [p for p in ray_workers(started) if re.match(rf"ray::{actor}\b", title_of(p))]
         assert process.poll() is None and time.time() < deadline, process.communicate()[1][-3000:]
     while time.time() < deadline:
         for worker in workers:
@@ -121,44 +133,36 @@ def continues(command: str, checkpoint: str, cwd, uninterrupted) -> None:
     assert all(torch.equal(exported[name], weights[name]) for name in weights)
 
 
-@pytest.mark.parametrize("method", ["generate", "compute_ref_log_prob", "update"])
-def test_a_killed_policy_worker_names_the_checkpoint_and_the_command(uninterrupted, tmp_path, method):
-    """Killed in each phase of a step it runs: generation, the reference's log-probs (the reference lives in the
-    policy's worker), the update."""
+def killed_and_resumed(tmp_path, uninterrupted, group: str, actor: str, method: str | None, *flags, algo="grpo"):
+    """After the run's first step, kill a worker of `group` (its class `actor`) as it runs `method` (see kill_when); the
+    message must name the group and the method (any, with None), and the command it gives continue to `uninterrupted`."""
     started = time.time()
-    process = start_script(*STEPS, cwd=tmp_path)
+    process = start_script(*STEPS, *flags, cwd=tmp_path, algo=algo)
     wait_for_steps(tmp_path, 1, process)
-    kill_when(started, process, "PolicyWorker", method)
+    kill_when(started, process, actor, method)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode != 0
-    stop = rf"the policy worker rank \d died during '{method}' \(its process ended\): killed \(SIGKILL"
+    during = method or r"\w+"
+    stop = rf"the {group} worker rank \d died during '({during})' \(its process ended\): killed \(SIGKILL"
     assert re.search(stop, stderr), stderr[-3000:]
     continue_as_told(stderr, tmp_path, uninterrupted)
 
 
+@pytest.mark.parametrize("method", ["generate", "compute_ref_log_prob", "update"])
+def test_a_killed_policy_worker_names_the_checkpoint_and_the_command(uninterrupted, tmp_path, method):
+    """Killed in each phase of a step it runs: generation, the reference's log-probs (the reference lives in the
+    policy's worker), the update."""
+    killed_and_resumed(tmp_path, uninterrupted, "policy", "PolicyWorker", method)
+
+
 def test_a_critic_worker_killed_in_its_phase_names_the_critic(uninterrupted_ppo, tmp_path):
-    started = time.time()
-    process = start_script(*STEPS, cwd=tmp_path, algo="ppo")
-    wait_for_steps(tmp_path, 1, process)
-    kill_when(started, process, "CriticWorker", "compute_values|update")
-    _, stderr = process.communicate(timeout=120)
-    assert process.returncode != 0
-    stop = r"the critic worker rank \d died during '\w+' \(its process ended\): killed \(SIGKILL"
-    assert re.search(stop, stderr), stderr[-3000:]
-    continue_as_told(stderr, tmp_path, uninterrupted_ppo)
+    killed_and_resumed(tmp_path, uninterrupted_ppo, "critic", "CriticWorker", "compute_values|update", algo="ppo")
 
 
 def test_a_reward_model_worker_killed_names_it(uninterrupted_with_reward_model, reward_model, tmp_path):  # noqa: F811
     """Killed while it scores or waits to: its next call, the step's scoring or its report of peak memory, meets it."""
-    started = time.time()
-    process = start_script(*STEPS, "--reward-model", reward_model, cwd=tmp_path)
-    wait_for_steps(tmp_path, 1, process)
-    kill_when(started, process, "RewardModelWorker", None)
-    _, stderr = process.communicate(timeout=120)
-    assert process.returncode != 0
-    stop = r"the reward_model worker rank \d died during '\w+' \(its process ended\): killed \(SIGKILL"
-    assert re.search(stop, stderr), stderr[-3000:]
-    continue_as_told(stderr, tmp_path, uninterrupted_with_reward_model)
+    rm = ["--reward-model", reward_model]
+    killed_and_resumed(tmp_path, uninterrupted_with_reward_model, "reward_model", "RewardModelWorker", None, *rm)
 
 
 @pytest.mark.parametrize("method", ["generate", None], ids=["generating", "waiting"])
@@ -194,7 +198,7 @@ def test_a_killed_driver_leaves_no_worker_and_resumes(uninterrupted, tmp_path):
     process.kill()
     process.communicate(timeout=60)
     _, left = psutil.wait_procs(workers, timeout=30)
-    assert not left, [p.info["cmdline"][0] for p in left]
+    assert not left, [title_of(p) for p in left]
     # a driver killed has no chance to say where the run stands: the same command with --resume auto takes the last
     last = complete_checkpoints(next((tmp_path / "runs").iterdir()))[-1]
     continues(shlex.join([*process.args, "--resume", "auto"]), str(last.resolve()), tmp_path, uninterrupted)
@@ -256,7 +260,7 @@ def test_a_host_short_of_memory_stops_the_run_through_rays_memory_monitor_and_it
     process = start_script(*STEPS, cwd=tmp_path)
     monkeypatch.undo()
     wait_for_steps(tmp_path, 1, process)
-    workers = [p for p in ray_workers(started) if "PolicyWorker" in p.info["cmdline"][0]]
+    workers = [p for p in ray_workers(started) if "PolicyWorker" in title_of(p)]
     os.kill(process.pid, signal.SIGSTOP)
     taken = []
     while all(map(alive, workers)) and len(taken) < 4 * 8:  # up to 8 GB, a quarter of a GB at a time, each page written
@@ -271,9 +275,32 @@ def test_a_host_short_of_memory_stops_the_run_through_rays_memory_monitor_and_it
     continue_as_told(stderr, tmp_path, uninterrupted)
 
 
+class Peers(Worker):
+    """Two ranks of a group, as in a collective."""
+
+    def setup(self, master):
+        pass
+
+    def fail_as_rank_1_dies(self):
+        """Rank 0 fails at once, as a collective does when its peer's process ends (gloo: connection closed by peer);
+        rank 1's process ends half a second later, as late as Ray may report the death of a peer killed at once."""
+        if self.rank == 1:
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+
+
+def test_a_rank_failing_for_a_dead_peer_names_the_dead_one(cpu_pool):
+    group = WorkerGroup(Peers, cpu_pool, "peers")
+    try:
+        with pytest.raises(WorkerDied, match=r"peers worker rank 1 died during 'fail_as_rank_1_dies' \(its process ended"):
+            group.broadcast("fail_as_rank_1_dies")
+    finally:
+        group.shutdown()
+
+
 def test_a_worker_stopped_by_rays_memory_monitor_names_the_flags_that_lower_memory():
     from common.run import likely_cause
-    from common.worker_group import WorkerDied
 
     update = WorkerDied("policy", 0, "update", out_of_memory=True)
     assert "Ray's memory monitor stopped it" in str(update)
