@@ -148,10 +148,11 @@ def killed_and_resumed(tmp_path, uninterrupted, group: str, actor: str, method: 
     continue_as_told(stderr, tmp_path, uninterrupted)
 
 
-@pytest.mark.parametrize("method", ["generate", "compute_ref_log_prob", "update"])
+@pytest.mark.parametrize("method", ["generate", "compute_ref_log_prob", "update", "save"])
 def test_a_killed_policy_worker_names_the_checkpoint_and_the_command(uninterrupted, tmp_path, method):
     """Killed in each phase of a step it runs: generation, the reference's log-probs (the reference lives in the
-    policy's worker), the update."""
+    policy's worker), the update, and the checkpoint's write, whose half-written folder the resumed run must not take
+    (it resumes from the one the message names, the step before)."""
     killed_and_resumed(tmp_path, uninterrupted, "policy", "PolicyWorker", method)
 
 
