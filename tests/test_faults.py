@@ -54,11 +54,8 @@ def uninterrupted_with_reward_model(ray_cluster, demo_files, reward_model, tmp_p
 def ray_workers(since: float) -> list[psutil.Process]:
     """The Ray actors started since `since` under this test process: by the Ray instance the tests share, or one a
     script started for itself; not those of another Ray on the machine."""
-    return [
-        p
-        for p in psutil.Process().children(recursive=True)
-        if title_of(p).startswith("ray::") and "Worker" in title_of(p) and created_at(p) >= since - 1
-    ]
+    titled = [(p, title_of(p)) for p in psutil.Process().children(recursive=True)]
+    return [p for p, title in titled if title.startswith("ray::") and "Worker" in title and created_at(p) >= since - 1]
 
 
 def created_at(process: psutil.Process) -> float:
@@ -75,15 +72,20 @@ def alive(process: psutil.Process) -> bool:
         return False
 
 
+def still_running(workers: list[psutil.Process], seconds: float = 30) -> list[str]:
+    """The titles of `workers` still running after up to `seconds`."""
+    deadline = time.time() + seconds
+    while (left := [title_of(p) for p in workers if alive(p)]) and time.time() < deadline:
+        time.sleep(0.5)
+    return left
+
+
 @pytest.fixture(autouse=True)
 def no_worker_left():
-    """No Ray worker started by a test's runs outlives them (checked after each test, waiting up to 30 s)."""
+    """No Ray worker started by a test's runs outlives them (checked after each test)."""
     started = time.time()
     yield
-    deadline = time.time() + 30
-    while (left := [title_of(p) for p in ray_workers(started) if alive(p)]) and time.time() < deadline:
-        time.sleep(0.5)
-    assert not left
+    assert not still_running(ray_workers(started))
 
 
 def title_of(process: psutil.Process) -> str:
@@ -198,8 +200,7 @@ def test_a_killed_driver_leaves_no_worker_and_resumes(uninterrupted, tmp_path):
     assert workers
     process.kill()
     process.communicate(timeout=60)
-    _, left = psutil.wait_procs(workers, timeout=30)
-    assert not left, [title_of(p) for p in left]
+    assert not still_running(workers)
     # a driver killed has no chance to say where the run stands: the same command with --resume auto takes the last
     last = complete_checkpoints(next((tmp_path / "runs").iterdir()))[-1]
     continues(shlex.join([*process.args, "--resume", "auto"]), str(last.resolve()), tmp_path, uninterrupted)
