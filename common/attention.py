@@ -86,20 +86,22 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     return output.transpose(1, 2).contiguous(), None
 
 
-def segment_block_mask(segment: torch.Tensor, part: torch.Tensor | None = None):
-    """The BlockMask of rows whose tokens see the tokens before them in their own segment (`segment`, [rows, width],
+def segment_block_mask(segment: torch.Tensor, part: torch.Tensor | None = None, width: int | None = None):
+    """The BlockMask of rows whose tokens see the tokens before them in their own segment (`segment`, [rows, tokens],
     one id per token), and with `part` (0: a prompt, else a response's own id), only the prompt and their own part of
-    it: shared_prompt_places' attention, or with no `part`, packed sequences'. The blocks' states come from the
-    square a block row of queries at a time, so that at most [rows, BLOCK, width] of it exists at once."""
+    it: shared_prompt_places' attention, or with no `part`, packed sequences'. Rows `width` wide (default: the
+    tokens), the places past the tokens padding. The blocks' states come from the square a block row of queries at a
+    time, so that at most [rows, BLOCK, width] of it exists at once."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    rows, width = segment.shape
+    rows, tokens = segment.shape
+    width = width or tokens
     blocks = -(-width // BLOCK)
-    pad = blocks * BLOCK - width
-    # a padding place past the width is a segment of its own, as shared_prompt_places makes one
+    pad = blocks * BLOCK - tokens
+    # a padding place is a segment of its own, as shared_prompt_places makes one
     segment = torch.nn.functional.pad(segment, (0, pad), value=int(segment.min()) - 1) if pad else segment
     if pad:
-        segment[:, width:] -= torch.arange(pad, device=segment.device)
+        segment[:, tokens:] -= torch.arange(pad, device=segment.device)
     part = torch.zeros_like(segment) if part is None else torch.nn.functional.pad(part, (0, pad))
 
     def mask_mod(row, head, q, kv):

@@ -25,6 +25,7 @@ from common.layouts import Layout, balanced_parts, part_loads, response_outputs
 from common.loading import fill_shards, init_missing, replay_lora_init, safetensors_files
 from common.micro_batch_budget import MemoryBudget
 from common.rollout import machine_memory_bytes
+from common.sequence_parallel import ATTENTION as ULYSSES
 from common.sequence_parallel import register as register_sequence_parallel
 from common.update_metrics import MAX, MIN, accumulate
 from common.worker_group import Worker
@@ -94,8 +95,9 @@ class FSDPWorker(MemoryBudget, Worker):
         self.model_path, self.max_grad_norm, self.lora = model_path, max_grad_norm, lora_rank > 0
         self.epochs, self.mini_batch_size, self.micro_batch_size = epochs, mini_batch_size, micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
-        self.flex_from = None if self.attention != "sdpa" else flex_from(self.device, micro_batch_tokens)
-        if self.flex_from is not None:
+        # FlexAttention where SDPA would take a dense mask: in the model's attention, or inside sequence parallelism's
+        self.flex_from = flex_from(self.device, micro_batch_tokens) if self.attention in ("sdpa", ULYSSES) else None
+        if self.flex_from is not None and self.attention == "sdpa":
             self.attention = register_flex()
         self.lora_settings = (lora_rank, lora_alpha, lora_target_modules)
         model = self._load(model_path)

@@ -86,14 +86,15 @@ def response_outputs(
     for all its samples in the micro-batch (see shared_prompt_places); where no two of them share one, it packs as
     "rows" (which leaves a row that holds one sequence to the causal kernel, with no mask at all). A language model
     projects to the vocabulary only the positions read (see output_layer_at), or gives `head_outputs`' instead of
-    logits. With a `sequence_group`, its ranks split the rows' tokens among them (see sequence_parallel_outputs), over
-    a dense mask. Without one, a micro-batch whose padded rows are at least `flex_from` wide (None: none) attends
-    through a block mask instead, its tokens in one row, where the model runs with common/attention.py's attention
-    (see runs_flex there).
+    logits. A micro-batch whose padded rows are at least `flex_from` wide (None: none) attends through a block mask
+    instead of a dense one, its tokens in one row, where the model runs with common/attention.py's attention (see
+    runs_flex there). With a `sequence_group`, its ranks split the rows' tokens among them (see
+    sequence_parallel_outputs), over either mask.
     """
     attention_mask = micro["attention_mask"].bool()
     response_length = micro["responses"].shape[1]
     response_mask = attention_mask[:, -response_length:]
+    flex, segments = False, None
     if layout == "padded":
         inputs = {key: micro[key] for key in ("input_ids", "attention_mask", "position_ids")}
         place = torch.arange(attention_mask.numel(), device=attention_mask.device).view(attention_mask.shape)
@@ -102,8 +103,7 @@ def response_outputs(
         prompts = same_prompts(micro["input_ids"], attention_mask, response_length) if layout == "shared prompts" else []
         # A block mask costs nothing for the pairs of sequences that never meet: one row holds the whole micro-batch
         # (and torch.compile, which on the CPU fails to build FlexAttention again for another number of rows, sees one).
-        flex = sequence_group is None and runs_flex(attention_mask.shape[1], attention_mask.device, flex_from)
-        segments = None
+        flex = runs_flex(attention_mask.shape[1], attention_mask.device, flex_from)
         if len(set(prompts)) < len(prompts):
             place, width, rows, segments = shared_prompt_places(prompts, attention_mask, response_length, one_row=flex)
             causal = False
@@ -120,12 +120,14 @@ def response_outputs(
             for key in ("input_ids", "position_ids")  # padding at a row's end sits at position 0: a sequence of its own
         }
         if flex:
-            inputs["attention_mask"] = segment_block_mask(*(segments or (packed_segments(inputs["position_ids"]),)))
+            segments = segments or (packed_segments(inputs["position_ids"]),)
+            if sequence_group is None:
+                inputs["attention_mask"] = segment_block_mask(*segments)
         elif segments is not None:
             inputs["attention_mask"] = shared_prompt_mask(*segments)
     read = place[:, -response_length - 1 : -1][response_mask]
     if sequence_group is not None:
-        mask = None if causal else full_attention(inputs)
+        mask = segments if flex else None if causal else full_attention(inputs)
         return sequence_parallel_outputs(model, inputs, read, mask, language_model, head_outputs, sequence_group)
     if language_model:
         with output_layer_at(model, read, head_outputs):
@@ -137,13 +139,16 @@ def sequence_parallel_outputs(model, inputs: dict, read: torch.Tensor, mask, lan
     """response_outputs' outputs, the rows' tokens split among the ranks of `group` (Ulysses; see
     common/sequence_parallel.py): rank r runs the r-th of as many equal shares of each row's columns (the rows padded
     to a multiple of the ranks), reads the outputs at its own read positions, and every rank gets them all back in
-    `read`'s order. `mask`: whom each token of the whole rows sees (None: causal). With `head_outputs`, it is called
-    with `tokens=`, the indices of the response tokens (in `read`'s order) whose hidden states it gets."""
+    `read`'s order. `mask`: whom each token of the whole rows sees, dense, or for a block mask a tuple of their
+    segments (and parts) as segment_block_mask takes them (None: causal). With `head_outputs`, it is called with
+    `tokens=`, the indices of the response tokens (in `read`'s order) whose hidden states it gets."""
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     rows, width = inputs["input_ids"].shape
     share = -(-width // ranks)
     pad = share * ranks - width
-    if mask is not None and pad:  # a padding token sees itself only
+    if isinstance(mask, tuple):
+        mask = segment_block_mask(*mask, width=share * ranks)
+    elif mask is not None and pad:  # a padding token sees itself only
         eye = torch.eye(share * ranks, dtype=torch.bool, device=mask.device)
         mask = torch.nn.functional.pad(mask, (0, pad, 0, pad)) | eye
     columns = slice(rank * share, (rank + 1) * share)
@@ -154,6 +159,8 @@ def sequence_parallel_outputs(model, inputs: dict, read: torch.Tensor, mask, lan
     mine = (owner == rank).nonzero()[:, 0]
     local_read = row[mine] * share + column[mine] - rank * share
     forward = dict(use_cache=False, sequence_parallel=SequenceParallel(group, mask))
+    if mask is not None:  # as the model's own too: else it builds one for the rank's share, dense where rows are packed
+        forward["attention_mask"] = mask
     if language_model:
         local_head = None if head_outputs is None else functools.partial(head_outputs, tokens=mine)
         with output_layer_at(model, local_read, local_head):

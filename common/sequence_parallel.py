@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from common.attention import compiled_flex_attention
+
 ATTENTION = "hybridrl_ulysses"
 
 
@@ -29,7 +31,9 @@ class SequenceParallel:
     to it, and which gradient checkpointing keeps for the recomputation in backward)."""
 
     group: dist.ProcessGroup
-    mask: torch.Tensor | None  # the whole rows' [rows, 1, width, width], True where a token sees another; None: causal
+    # the whole rows' [rows, 1, width, width], True where a token sees another, or their BlockMask for FlexAttention
+    # (common/attention.py); None: causal
+    mask: object
 
 
 def register() -> str:
@@ -106,7 +110,8 @@ def to_tokens(states: torch.Tensor, shares: list[int], group) -> torch.Tensor:
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sequence_parallel=None, **kwargs):
     """transformers' attention call: SDPA over the rank's tokens, or with `sequence_parallel`, Ulysses over the whole
-    rows (the mask the model built from a rank's share of them is not theirs: `sequence_parallel.mask` is)."""
+    rows (the mask the model built from a rank's share of them is not theirs: `sequence_parallel.mask` is), through
+    SDPA, or FlexAttention where that mask is a BlockMask."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if sequence_parallel is None:
@@ -119,9 +124,12 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         key, value = (states.repeat_interleave(heads // key.shape[1], 1) for states in (key, value))
     query, key, value = (to_heads(states, head_shares(states.shape[1], ranks), group) for states in (query, key, value))
     key, value = (states.repeat_interleave(query.shape[1] // key.shape[1], 1) for states in (key, value))
-    output = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, is_causal=mask is None, scale=scaling
-    )
+    if mask is None or isinstance(mask, torch.Tensor):
+        output = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, is_causal=mask is None, scale=scaling
+        )
+    else:
+        output = compiled_flex_attention()(query, key, value, block_mask=mask, scale=scaling)
     return to_tokens(output, head_shares(heads, ranks), group), None
 
 

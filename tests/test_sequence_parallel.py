@@ -13,6 +13,7 @@ from ray.util.placement_group import placement_group
 
 import grpo_hybrid
 import ppo_hybrid
+from common.attention import CPU_WIDTH
 from common.dataproto import DataProto
 from common.sequence_parallel import check_heads, head_shares
 from common.worker_group import ResourcePool, WorkerGroup
@@ -151,6 +152,33 @@ def test_data_parallel_and_sequence_parallel_ranks_combine(cpu_pool, tiny_model,
         whole.shutdown()
         split.shutdown()
         pool.shutdown()
+
+
+def test_split_sequences_attend_through_block_masks_as_whole_ones(cpu_pool, tiny_model, tokenizer):
+    """FlexAttention inside sequence parallelism: split workers whose micro-batches may reach CPU_WIDTH tokens pass
+    their start-up check through block masks (else they fall back to the dense mask), and with block masks at every
+    width give the log-probs, entropies and reference log-probs of whole sequences over a dense mask (on the CPU only
+    the passes without gradients take them)."""
+    batch = made_up_batch(len(tokenizer)).select(*LOG_PROB_INPUTS)
+    settings = dict(model_path=tiny_model, lr=1e-3, weight_decay=0.0, max_grad_norm=1e9, micro_batch_size=4)
+    whole = WorkerGroup(PolicyProbe, cpu_pool, "whole", **settings)
+    split = None
+    try:
+        split = WorkerGroup(PolicyProbe, cpu_pool, "split", sequence_parallel=2, micro_batch_tokens=CPU_WIDTH, **settings)
+        assert split.broadcast("get", "flex_from") == [CPU_WIDTH] * 2
+        split.broadcast("set", flex_from=0)
+        for layout in ("rows", "shared prompts"):
+            outputs = []
+            for group in (whole, split):
+                group.broadcast("set", layout=layout)
+                passed = group.scatter("compute_log_prob", batch)
+                reference = group.scatter("compute_ref_log_prob", batch)["ref_log_probs"]
+                outputs.append((passed["old_log_probs"], passed["entropy"], reference))
+            torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5, msg=lambda m: f"{layout}: {m}")
+    finally:
+        whole.shutdown()
+        if split is not None:
+            split.shutdown()
 
 
 def test_split_sequences_give_a_critic_its_values_and_gradients(cpu_pool, tiny_model, tokenizer):

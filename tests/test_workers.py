@@ -38,6 +38,9 @@ class Probe:
         for name, value in settings.items():
             setattr(self, name, value)
 
+    def get(self, name: str):
+        return getattr(self, name)
+
 
 class PolicyProbe(Probe, PolicyWorker):
     def load_of(self, data: DataProto) -> tuple[int, int, int]:
