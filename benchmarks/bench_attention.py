@@ -26,10 +26,9 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch.distributed as dist  # noqa: E402
 
 from common.attention import register, runs_flex  # noqa: E402
 from common.dataproto import DataProto  # noqa: E402

@@ -84,13 +84,14 @@ class HalfCPUPool(ResourcePool):
         ray.get(self.placement_group.ready())
 
 
-def groups(cpu_pool, model_path: str, worker_cls=PolicyProbe, split_pool=None, **settings):
+def groups(cpu_pool, model_path: str, worker_cls=PolicyProbe, split_pool=None, split_settings=None, **settings):
     """The same model, settings and weights twice: whole sequences per rank, and sequences split over 2 ranks (on
-    `split_pool`'s ranks, default the tests' 2)."""
+    `split_pool`'s ranks, default the tests' 2; with `split_settings` on top of `settings`)."""
     settings = dict(model_path=model_path, lr=1e-3, weight_decay=0.0, max_grad_norm=1e9, micro_batch_size=4) | settings
     whole = WorkerGroup(worker_cls, cpu_pool, "whole", **settings)
     try:
-        return whole, WorkerGroup(worker_cls, split_pool or cpu_pool, "split", sequence_parallel=2, **settings)
+        split_settings = settings | (split_settings or {})
+        return whole, WorkerGroup(worker_cls, split_pool or cpu_pool, "split", sequence_parallel=2, **split_settings)
     except BaseException:
         whole.shutdown()
         raise
@@ -160,11 +161,8 @@ def test_split_sequences_attend_through_block_masks_as_whole_ones(cpu_pool, tiny
     width give the log-probs, entropies and reference log-probs of whole sequences over a dense mask (on the CPU only
     the passes without gradients take them)."""
     batch = made_up_batch(len(tokenizer)).select(*LOG_PROB_INPUTS)
-    settings = dict(model_path=tiny_model, lr=1e-3, weight_decay=0.0, max_grad_norm=1e9, micro_batch_size=4)
-    whole = WorkerGroup(PolicyProbe, cpu_pool, "whole", **settings)
-    split = None
+    whole, split = groups(cpu_pool, tiny_model, split_settings=dict(micro_batch_tokens=CPU_WIDTH))
     try:
-        split = WorkerGroup(PolicyProbe, cpu_pool, "split", sequence_parallel=2, micro_batch_tokens=CPU_WIDTH, **settings)
         assert split.broadcast("get", "flex_from") == [CPU_WIDTH] * 2
         split.broadcast("set", flex_from=0)
         for layout in ("rows", "shared prompts"):
@@ -177,8 +175,7 @@ def test_split_sequences_attend_through_block_masks_as_whole_ones(cpu_pool, tiny
             torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5, msg=lambda m: f"{layout}: {m}")
     finally:
         whole.shutdown()
-        if split is not None:
-            split.shutdown()
+        split.shutdown()
 
 
 def test_split_sequences_give_a_critic_its_values_and_gradients(cpu_pool, tiny_model, tokenizer):
