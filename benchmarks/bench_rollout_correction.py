@@ -13,11 +13,13 @@ engine's gap bound is lifted (--max-rollout-logprob-diff 0): a bf16 engine is ex
 
 Prints per run the held-out accuracy after the last step and the range over the steps of the diagnostics
 (docs/off-policy-correction.md); --out writes every step's diagnostics as JSON, --plot draws the mismatch KL (k3) and
-the effective sample size over the steps, from the runs or (--records) from a JSON that --out wrote.
+the effective sample size over the steps, from the runs or (--records) from JSONs that --out wrote, a row of the picture
+per --max-staleness.
 
     python benchmarks/bench_rollout_correction.py                            # every setting, seeds 1 to 3
     python benchmarks/bench_rollout_correction.py --settings none icepop --seeds 1 --out correction.json
-    python benchmarks/bench_rollout_correction.py --records correction.json --plot correction.png
+    python benchmarks/bench_rollout_correction.py --max-staleness 16 --settings none token-is --out k16.json
+    python benchmarks/bench_rollout_correction.py --records correction.json k16.json --plot correction.png
 """
 
 import argparse
@@ -25,6 +27,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from operator import itemgetter
 from pathlib import Path
 
 from plot_runs import require_matplotlib
@@ -70,21 +73,30 @@ def run(flags: list[str], seed: int, steps: int, staleness: int) -> list[dict]:
 
 
 def plot(records: list[dict], out: Path) -> None:
-    """The mismatch KL (k3) and the effective sample size of each run, against the step."""
+    """The mismatch KL (k3) and the effective sample size of each run against the step, a row per --max-staleness."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, 2, figsize=(12, 4))
+    stalenesses = sorted({record["max_staleness"] for record in records})
+    kind = itemgetter("setting", "max_staleness")
+    figure, axes = plt.subplots(len(stalenesses), 2, figsize=(12, 4 * len(stalenesses)), squeeze=False)
+    colours = {}
     for record in records:
-        label = f"{record['setting']} (seed {record['seed']}): {record['accuracy']:.0%}"
+        row = axes[stalenesses.index(record["max_staleness"])]
+        colour = colours.setdefault(record["setting"], f"C{len(colours)}")
+        same = [other for other in records if kind(other) == kind(record)]
+        label = f"{record['setting']}: " + ", ".join(f"{other['accuracy']:.0%}" for other in same)
         steps = range(1, len(record["steps"]) + 1)
-        for ax, name in zip(axes, ("kl_k3", "ess")):
-            ax.plot(steps, [row[f"rollout_corr/{name}"] for row in record["steps"]], label=label)
-    axes[0].set(xlabel="step", ylabel="KL(rollout || trainer), k3 estimator", yscale="log")
-    axes[1].set(xlabel="step", ylabel="effective sample size (1: every weight equal)")
-    axes[0].legend(title="setting: held-out accuracy", fontsize="small")
+        for ax, name in zip(row, ("kl_k3", "ess")):
+            ax.plot(steps, [step[f"rollout_corr/{name}"] for step in record["steps"]], color=colour,
+                    label=label if record is same[0] else None)  # fmt: skip
+    for staleness, row in zip(stalenesses, axes):
+        row[0].set(xlabel="step", ylabel="KL(rollout || trainer), k3 estimator", yscale="log")
+        row[1].set(xlabel="step", ylabel="effective sample size (1: every weight equal)")
+        row[0].set_title(f"--max-staleness {staleness}")
+        row[0].legend(title="setting: held-out accuracy of each seed", fontsize="small")
     figure.tight_layout()
     figure.savefig(out, dpi=100)
     print(f"drew {len(records)} runs into {out}")
@@ -99,14 +111,14 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=None, help="some of: none token-is sequence-is ...")
     parser.add_argument("--out", type=Path, help="every step's diagnostics, as JSON")
     parser.add_argument("--plot", type=Path, help="a picture of the mismatch KL and the ESS over the steps")
-    parser.add_argument("--records", type=Path, help="draw --plot from this --out JSON instead of running")
+    parser.add_argument("--records", type=Path, nargs="+", help="draw --plot from these --out JSONs instead of running")
     options = parser.parse_args()
     if options.plot:
         require_matplotlib()
     if options.records:
         if not options.plot:
             parser.error("--records draws a picture: pass --plot too")
-        plot(json.loads(options.records.read_text()), options.plot)
+        plot([record for path in options.records for record in json.loads(path.read_text())], options.plot)
         return
     menu = settings(options.k3_threshold)
     chosen = options.settings or list(menu)
@@ -129,7 +141,10 @@ def main() -> None:
                 ranges.append(f"{min(values):.3g}-{max(values):.3g}")
             print(f"| {setting} | {seed} | {rows[-1]['val/accuracy']:.1%} | " + " | ".join(ranges) + " |", flush=True)
             steps = [{key: value for key, value in row.items() if key.startswith("rollout_corr/")} for row in rows]
-            records.append({"setting": setting, "seed": seed, "accuracy": rows[-1]["val/accuracy"], "steps": steps})
+            accuracy = rows[-1]["val/accuracy"]
+            records.append(
+                dict(setting=setting, seed=seed, max_staleness=options.max_staleness, accuracy=accuracy, steps=steps)
+            )
     if options.out:
         options.out.write_text(json.dumps(records, indent=1))
     if options.plot:
