@@ -12,9 +12,9 @@ engine's gap bound is lifted (--max-rollout-logprob-diff 0): a bf16 engine is ex
 - `icepop`: token weights up to 5, tokens whose ratio leaves [0.5, 5] rejected.
 
 Prints per run the held-out accuracy after the last step and the range over the steps of the diagnostics
-(docs/off-policy-correction.md); --out writes every step's diagnostics as JSON, --plot draws the mismatch KL (k3) and
-the effective sample size over the steps, from the runs or (--records) from JSONs that --out wrote, a row of the picture
-per --max-staleness.
+(docs/off-policy-correction.md); --out writes every step's diagnostics and staleness as JSON, --plot draws the
+mismatch KL (k3) and the effective sample size over the steps, from the runs or (--records) from JSONs that --out
+wrote, a row of the picture per --max-staleness.
 
     python benchmarks/bench_rollout_correction.py                            # every setting, seeds 1 to 3
     python benchmarks/bench_rollout_correction.py --settings none icepop --seeds 1 --out correction.json
@@ -53,6 +53,7 @@ def settings(k3_threshold: float) -> dict[str, list[str]]:
 
 
 DIAGNOSTICS = ["kl_k3", "chi2_seq", "ess", "weight_max", "rejected_token_share", "rejected_seq_share"]
+KEPT = ("rollout_corr/", "rollout/staleness")  # every step's diagnostics, and how old its samples were
 
 
 def run(flags: list[str], seed: int, steps: int, staleness: int) -> list[dict]:
@@ -140,7 +141,7 @@ def main() -> None:
                 values = [row[f"rollout_corr/{name}"] for row in rows]
                 ranges.append(f"{min(values):.3g}-{max(values):.3g}")
             print(f"| {setting} | {seed} | {rows[-1]['val/accuracy']:.1%} | " + " | ".join(ranges) + " |", flush=True)
-            steps = [{key: value for key, value in row.items() if key.startswith("rollout_corr/")} for row in rows]
+            steps = [{key: value for key, value in row.items() if key.startswith(KEPT)} for row in rows]
             accuracy = rows[-1]["val/accuracy"]
             records.append(
                 dict(setting=setting, seed=seed, max_staleness=options.max_staleness, accuracy=accuracy, steps=steps)
