@@ -147,6 +147,9 @@ def run_ranks(args, width: int, kernel: str) -> dict | str:
     for rank in ranks:
         out, err = rank.communicate()
         if rank.returncode:
+            for other in ranks:  # the others would wait for the failed rank in a collective until gloo's timeout
+                other.kill()
+                other.wait()
             return err.strip().splitlines()[-1] if err.strip() else f"exit {rank.returncode}"
         figures.append(json.loads(out.strip().splitlines()[-1]))
     return {name: value if isinstance(value, str) else max(f[name] for f in figures) for name, value in figures[0].items()}
