@@ -362,6 +362,16 @@ def resume_command() -> str:
     return shlex.join([*(arg for arg in argv if not arg.startswith("--resume=")), "--resume", "auto"])
 
 
+def turn_off_ray_metrics() -> None:
+    """The Ray instance started next exports no metrics. A local instance has no dashboard to show them, and the
+    exporter's thread in every Ray process is one more way to crash it: a SIGSEGV in OpenTelemetry's periodic
+    reader, in a Ray worker, once failed a run of the test suite. Both settings are needed: with OpenTelemetry on,
+    its exporter runs whatever enable_metrics_collection says. Ray's processes read them from the environment they
+    start with; RAY_enable_open_telemetry=1 RAY_enable_metrics_collection=1 turn the metrics back on."""
+    os.environ.setdefault("RAY_enable_open_telemetry", "0")
+    os.environ.setdefault("RAY_enable_metrics_collection", "0")
+
+
 def init_ray() -> None:
     """Join the cluster named by RAY_ADDRESS (multi-node), else start a local one."""
     address = os.environ.get("RAY_ADDRESS")
@@ -372,6 +382,8 @@ def init_ray() -> None:
         token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
         if os.environ.get("RAY_AUTH_TOKEN") or os.path.isfile(token_file):
             os.environ.setdefault("RAY_AUTH_MODE", "token")
+    else:
+        turn_off_ray_metrics()
     import ray
 
     if ray.is_initialized():

@@ -29,6 +29,9 @@ def ray_cluster():
     """A local Ray instance; scripts run as subprocesses join it through RAY_ADDRESS."""
     import ray
 
+    from common.run import turn_off_ray_metrics
+
+    turn_off_ray_metrics()
     ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     yield
