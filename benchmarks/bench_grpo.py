@@ -26,6 +26,9 @@ import numpy as np
 import ray
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from common.run import turn_off_ray_metrics  # noqa: E402
+
 STEP_METHODS = ("generate", "compute_log_prob", "compute_ref_log_prob", "update")
 
 
@@ -82,6 +85,7 @@ def main():
     if not 0 <= options.warmup < options.steps:
         parser.error(f"--warmup {options.warmup} must be at least 0 and below --steps {options.steps}")
 
+    turn_off_ray_metrics()  # the Ray a script starts for itself
     ray.init(include_dashboard=False)
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     workdir = tempfile.mkdtemp()

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.run import turn_off_ray_metrics  # noqa: E402
 from common.worker_group import ResourcePool, WorkerGroup, wait_all  # noqa: E402
 from common.workers import PolicyWorker, RolloutWorker  # noqa: E402
 
@@ -70,6 +71,7 @@ def main():
 
     path = model_path(args.model)
     sent = parameters_sent(path)
+    turn_off_ray_metrics()  # the Ray a script starts for itself
     ray.init(
         num_cpus=args.num_workers + 1, include_dashboard=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
     )
