@@ -27,7 +27,7 @@ import ray
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from common.run import turn_off_ray_metrics  # noqa: E402
+from common.run import start_local_ray  # noqa: E402
 
 STEP_METHODS = ("generate", "compute_log_prob", "compute_ref_log_prob", "update")
 
@@ -85,8 +85,7 @@ def main():
     if not 0 <= options.warmup < options.steps:
         parser.error(f"--warmup {options.warmup} must be at least 0 and below --steps {options.steps}")
 
-    turn_off_ray_metrics()  # the Ray a script starts for itself
-    ray.init(include_dashboard=False)
+    start_local_ray()
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     workdir = tempfile.mkdtemp()
     command = [

@@ -64,15 +64,12 @@ class StartupPeak(PolicyWorker):
 
 
 if __name__ == "__main__":
-    import ray
-
-    from common.run import turn_off_ray_metrics
+    from common.run import start_local_ray
     from common.worker_group import ResourcePool, WorkerGroup
 
     args = tyro.cli(Args)
     path = random_model(args.model_path) if args.model_path in RANDOM_MODELS else resolve(args.model_path)
-    turn_off_ray_metrics()  # the Ray a script starts for itself
-    ray.init(num_cpus=args.ranks, include_dashboard=False)
+    start_local_ray(num_cpus=args.ranks)
     pool = ResourcePool(args.ranks, use_gpu=False)
     group = WorkerGroup(StartupPeak, pool, "loading", model_path=path, rollout_engine=None)
     peaks = group.broadcast("peak_gb")

@@ -18,12 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import ray
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.run import turn_off_ray_metrics  # noqa: E402
+from common.run import start_local_ray  # noqa: E402
 from common.worker_group import ResourcePool, WorkerGroup, wait_all  # noqa: E402
 from common.workers import PolicyWorker, RolloutWorker  # noqa: E402
 
@@ -71,10 +70,7 @@ def main():
 
     path = model_path(args.model)
     sent = parameters_sent(path)
-    turn_off_ray_metrics()  # the Ray a script starts for itself
-    ray.init(
-        num_cpus=args.num_workers + 1, include_dashboard=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
-    )
+    start_local_ray(num_cpus=args.num_workers + 1)
     policy_pool, engine_pool = ResourcePool(args.num_workers, use_gpu=False), ResourcePool(1, use_gpu=False)
     policy = WorkerGroup(PolicyWorker, policy_pool, "policy", model_path=path, rollout_engine=None, use_reference=False)
     engine = WorkerGroup(

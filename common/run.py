@@ -362,14 +362,21 @@ def resume_command() -> str:
     return shlex.join([*(arg for arg in argv if not arg.startswith("--resume=")), "--resume", "auto"])
 
 
-def turn_off_ray_metrics() -> None:
-    """The Ray instance started next exports no metrics. A local instance has no dashboard to show them, and the
-    exporter's thread in every Ray process is one more way to crash it: a SIGSEGV in OpenTelemetry's periodic
-    reader, in a Ray worker, once failed a run of the test suite. Both settings are needed: with OpenTelemetry on,
-    its exporter runs whatever enable_metrics_collection says. Ray's processes read them from the environment they
-    start with; RAY_enable_open_telemetry=1 RAY_enable_metrics_collection=1 turn the metrics back on."""
+# The environment every Ray worker of a run starts with
+RAY_RUNTIME_ENV = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
+
+
+def start_local_ray(num_cpus: int | None = None) -> None:
+    """A Ray instance on this machine, as a script starts one for itself: no dashboard and no metrics. No one reads
+    metrics there, and the exporter's thread in every Ray process is one more way to crash it: a SIGSEGV in
+    OpenTelemetry's periodic reader, in a Ray worker, once failed a run of the test suite. Both settings are needed:
+    with OpenTelemetry on, its exporter runs whatever enable_metrics_collection says. Ray's processes read them from
+    the environment they start with; RAY_enable_open_telemetry=1 RAY_enable_metrics_collection=1 turn them back on."""
+    import ray
+
     os.environ.setdefault("RAY_enable_open_telemetry", "0")
     os.environ.setdefault("RAY_enable_metrics_collection", "0")
+    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=RAY_RUNTIME_ENV)
 
 
 def init_ray() -> None:
@@ -382,18 +389,15 @@ def init_ray() -> None:
         token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
         if os.environ.get("RAY_AUTH_TOKEN") or os.path.isfile(token_file):
             os.environ.setdefault("RAY_AUTH_MODE", "token")
-    else:
-        turn_off_ray_metrics()
     import ray
 
     if ray.is_initialized():
         return
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
     if not address:
-        ray.init(include_dashboard=False, runtime_env=env)
+        start_local_ray()
         return
     try:
-        ray.init(address=address, runtime_env=env)
+        ray.init(address=address, runtime_env=RAY_RUNTIME_ENV)
     except ConnectionError as error:
         mode = os.environ.get("RAY_AUTH_MODE", "disabled")
         raise ConnectionError(

@@ -29,10 +29,9 @@ def ray_cluster():
     """A local Ray instance; scripts run as subprocesses join it through RAY_ADDRESS."""
     import ray
 
-    from common.run import turn_off_ray_metrics
+    from common.run import start_local_ray
 
-    turn_off_ray_metrics()
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    start_local_ray(num_cpus=4)
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     yield
     ray.shutdown()
