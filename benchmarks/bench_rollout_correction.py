@@ -52,7 +52,7 @@ def settings(k3_threshold: float) -> dict[str, list[str]]:
     }
 
 
-DIAGNOSTICS = ["kl_k3", "chi2_seq", "ess", "weight_max", "rejected_token_share", "rejected_seq_share"]
+DIAGNOSTICS = ["kl_k3", "chi2_centered_seq", "ess", "weight_max", "rejected_token_share", "emptied_seq_share"]
 KEPT = ("rollout_corr/", "rollout/staleness")  # every step's diagnostics, and how old its samples were
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from plot_runs import plot, require_matplotlib
 
 ROOT = Path(__file__).resolve().parents[1]
-ALGOS = ["grpo", "dapo", "ppo", "rloo", "reinforcepp", "gspo"]
+ALGOS = sorted(path.stem.removesuffix("_hybrid") for path in (ROOT / "algos").glob("*_hybrid.py"))  # every script
 
 
 def machine() -> str:

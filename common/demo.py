@@ -270,7 +270,7 @@ def apply(args_cls, args, **settings):
     import tyro
 
     from common.pretrained import MODELS
-    from common.rollout import check_torchvision
+    from common.args import check_torchvision
 
     if args.model_path is not None and args.model_path not in MODELS:
         return args

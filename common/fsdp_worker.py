@@ -23,8 +23,8 @@ from common.attention import register as register_flex
 from common.dataproto import DataProto
 from common.layouts import Layout, balanced_parts, part_loads, response_outputs
 from common.loading import fill_shards, init_missing, replay_lora_init, safetensors_files
+from common.memory import machine_memory_bytes
 from common.micro_batch_budget import MemoryBudget
-from common.rollout import machine_memory_bytes
 from common.sequence_parallel import ATTENTION as ULYSSES
 from common.sequence_parallel import register as register_sequence_parallel
 from common.update_metrics import MAX, MIN, accumulate

@@ -12,6 +12,11 @@ import resource
 import torch
 
 
+def machine_memory_bytes() -> int:
+    """The machine's physical memory."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def measured(method):
     """A worker method whose peak memory is kept under its name until phase_peak_memory reads it: from its own
     start on a GPU and on Linux, where the high-water mark can be reset (on the CPU the resident set then holds what

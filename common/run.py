@@ -23,7 +23,7 @@ import shlex
 import sys
 import time
 
-from common.args import RunArgs, check_args, flag, load_tokenizer
+from common.args import RunArgs, check_args, flag, load_tokenizer, worker_micro_batch_tokens
 
 __all__ = ["Run", "RunArgs", "flag", "init_ray"]  # RunArgs and flag are the scripts' to import from here too
 
@@ -128,15 +128,12 @@ class Run:
         from common.worker_group import WorkerGroup
 
         args = self.args
-        longest = args.max_prompt_length + args.max_response_length
         defaults = dict(
             model_path=args.model_path,
             epochs=args.ppo_epochs,
             mini_batch_size=args.mini_batch_size * args.n,
             micro_batch_size=args.micro_batch_size,
-            # auto: one longest sequence's tokens until fit_micro_batch_tokens measures the budget, never less (so a
-            # worker whose sequences reach attention.flex_from's width sets up its block masks)
-            micro_batch_tokens=longest if args.micro_batch_tokens == "auto" else args.micro_batch_tokens,
+            micro_batch_tokens=worker_micro_batch_tokens(args, fits_budget=True),
             seed=args.seed,
             lr=args.lr,
             weight_decay=args.weight_decay,
@@ -287,7 +284,7 @@ class Run:
     def _record_peak_memory(self, metrics: dict) -> None:
         """The step's peak memory per worker method, the largest over ranks and calls (`perf/peak_memory_gb/policy/
         update`...: resident memory on CPUs, allocated memory on GPUs; see memory.measured), and the largest of all.
-        The rollout workers report theirs with each batch (RolloutWorkers.take): asking them now would wait for the
+        The rollout workers report theirs with each batch (SplitEngines.take): asking them now would wait for the
         batches they are generating."""
         from common.memory import record_peak_memory
 

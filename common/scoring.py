@@ -4,7 +4,7 @@ common/judge.py), which runs on a worker group of its own."""
 
 from __future__ import annotations
 
-from common.args import check_reward_model, load_tokenizer
+from common.args import check_reward_model, load_tokenizer, worker_micro_batch_tokens
 
 
 class Scorer:
@@ -76,7 +76,7 @@ class Scorer:
             self.pool = pool = ResourcePool(args.reward_model_workers, pool.use_gpu)
         model = dict(
             micro_batch_size=args.micro_batch_size,
-            micro_batch_tokens=0 if args.micro_batch_tokens == "auto" else args.micro_batch_tokens,  # auto sizes trainers
+            micro_batch_tokens=worker_micro_batch_tokens(args, fits_budget=False),
             seed=args.seed,
             compute_dtype=args.compute_dtype,
         )

@@ -258,7 +258,7 @@ class PolicyWorker(FSDPWorker, EngineWorker):
 
     @torch.no_grad()
     def probe_log_probs(self, data: DataProto) -> DataProto:
-        """compute_log_prob at temperature 1, as a vLLM engine scores a given sequence (see RolloutWorkers.send_weights)."""
+        """compute_log_prob at temperature 1, as a vLLM engine scores a given sequence (see SplitEngines.send_weights)."""
         temperature, self.temperature = self.temperature, 1.0
         try:
             return self.compute_log_prob(data)
@@ -436,7 +436,7 @@ class RolloutWorker(EngineWorker):
         """Load what the policy's rank 0 sends (PolicyWorker.send_weights): from now on the engine generates from
         version `version`. Every weight the engine has must arrive, or it would generate from stale ones. Returns the
         log-probs at temperature 1 of the last `answer_length` tokens of `probe`, each after those before it, as the
-        engine now computes them (see RolloutWorkers.send_weights)."""
+        engine now computes them (see SplitEngines.send_weights)."""
         self.idle += time.perf_counter() - self.idle_since
         weights = weight_sync.received_tensors(self.weight_group, self.device)
         if self.adapter_config is not None:

@@ -1,17 +1,16 @@
 """GRPO's math against values computed by hand."""
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-import dapo_hybrid
-import ppo_hybrid
-from grpo_hybrid import agg_loss, compute_grpo_advantages, compute_policy_loss, kl_penalty, rollout_is_weights
+from grpo_hybrid import agg_loss, compute_grpo_advantages, compute_policy_loss, kl_penalty
 
-from common import update_metrics
-from common.rollout import rollout_gap_of_update, rollout_logprob_gap
+from common import rollout_correction
+from common.rollout_correction import rollout_gap_of_update, rollout_logprob_gap
 
 
 def test_grpo_advantages_normalised_per_group():
@@ -110,16 +109,6 @@ def test_policy_loss_ignores_masked_tokens():
     assert loss.item() == pytest.approx(-min(math.exp(0.1), 1.2))
 
 
-def test_tis_weights_are_capped_importance_ratios():
-    old = torch.tensor([[0.0, -1.0, -2.0, -0.5]])
-    rollout = torch.tensor([[0.0, -2.0, -0.5, -0.6]])
-    weights = rollout_is_weights(old - rollout, torch.ones(1, 4), "token", threshold=2.0)
-    # pi_old / pi_rollout = 1, e (capped to 2), e^-1.5, e^0.1
-    torch.testing.assert_close(weights, torch.tensor([[1.0, 2.0, math.exp(-1.5), math.exp(0.1)]]))
-    for script in (ppo_hybrid, dapo_hybrid):  # forks share it unchanged
-        torch.testing.assert_close(script.rollout_is_weights(old - rollout, torch.ones(1, 4), "token", 2.0), weights)
-
-
 def test_policy_loss_with_tis_weights_each_token():
     ratio = torch.tensor([[1.5, 0.5, 1.0]])
     advantages = torch.tensor([[1.0, 1.0, -2.0]])
@@ -130,7 +119,7 @@ def test_policy_loss_with_tis_weights_each_token():
     assert loss.item() == pytest.approx((2.0 * -1.2 + 0.5 * -0.5 + 0.25 * 2.0) / 3)
 
 
-SCRIPTS = ["grpo_hybrid", "dapo_hybrid", "gspo_hybrid", "rloo_hybrid", "reinforcepp_hybrid", "ppo_hybrid"]
+SCRIPTS = sorted(path.stem for path in (Path(__file__).parents[1] / "algos").glob("*_hybrid.py"))  # every script
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -167,7 +156,7 @@ def test_actor_loss_without_old_log_probs_equals_the_loss_with_them(script):
     for key, value in metrics_pass.items():
         assert float(metrics_skip[key]) == pytest.approx(float(value), abs=1e-7), key
     gap = ((log_prob_init - batch["rollout_log_probs"]).abs() * mask).sum() / mask.sum()
-    assert float(metrics_skip[update_metrics.ROLLOUT_LOGPROB_DIFF]) == pytest.approx(gap.item(), rel=1e-5)
+    assert float(metrics_skip[rollout_correction.ROLLOUT_LOGPROB_DIFF]) == pytest.approx(gap.item(), rel=1e-5)
     assert float(metrics_skip["entropy"]) == pytest.approx(((entropy * mask).sum() / mask.sum()).item(), rel=1e-5)
     # the driver's figures of the engine's gap, as the pass's batch gives them
     stale = torch.ones(4, dtype=torch.long)
@@ -181,7 +170,7 @@ def test_actor_loss_without_old_log_probs_equals_the_loss_with_them(script):
 
 def test_the_updates_gap_is_checked_only_on_batches_from_the_trainers_weights():
     """Samples from older weights differ from the trainer's by the updates since: the probe checks their engines."""
-    names = update_metrics
+    names = rollout_correction
     update = {names.ROLLOUT_LOGPROB_DIFF: 0.5, names.ROLLOUT_LOGPROB_DIFF_MAX: 0.9}
     figures = rollout_gap_of_update(dict(update), torch.tensor([1, 0]), bound=0.1)
     assert figures == pytest.approx({"rollout/logprob_diff_mean": 0.5, "rollout/logprob_diff_max": 0.9})

@@ -11,9 +11,10 @@ import torch
 from ray import cloudpickle
 
 import grpo_hybrid
+from common.args import RunArgs, worker_micro_batch_tokens
 from common.dataproto import DataProto
+from common.memory import machine_memory_bytes
 from common.micro_batch_budget import PER_TOKEN_MARGIN, token_budget
-from common.rollout import machine_memory_bytes
 from common.worker_group import WorkerGroup
 from common.workers import PolicyWorker
 
@@ -102,3 +103,11 @@ def test_auto_budget_keeps_within_the_share_and_an_update_over_it_retries_at_hal
             update()
     finally:
         group.shutdown()
+
+
+def test_auto_is_read_in_one_place():
+    """A worker that fits its budget starts at one longest sequence; a scoring model's worker counts sequences."""
+    auto = RunArgs(micro_batch_tokens="auto", max_prompt_length=PROMPT, max_response_length=RESPONSE)
+    assert worker_micro_batch_tokens(auto, fits_budget=True) == LONGEST
+    assert worker_micro_batch_tokens(auto, fits_budget=False) == 0
+    assert worker_micro_batch_tokens(RunArgs(micro_batch_tokens=3 * LONGEST), fits_budget=False) == 3 * LONGEST

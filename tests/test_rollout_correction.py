@@ -1,28 +1,33 @@
 """The off-policy correction's menu (importance weights, rejection by divergence, diagnostics) against hand computations
-on a small batch with padding and uneven lengths; the same functions in every script."""
+on a small batch with padding and uneven lengths: common/rollout_correction.py, and where each script's loss takes it."""
 
 import importlib
-import inspect
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
-from grpo_hybrid import (
-    Args,
-    agg_loss,
+from grpo_hybrid import agg_loss
+from test_scripts import run_script
+
+from common.args import RunArgs
+from common.rollout_correction import (
+    REJECTION_CRITERIA,
+    ROLLOUT_CORR,
     check_rollout_correction,
+    needs_old_log_prob_pass,
+    rejection_criteria,
     rollout_corr_metrics,
     rollout_corr_terms,
+    rollout_is_level,
     rollout_is_weights,
     rollout_log_ratio,
     rollout_rejection,
 )
-from test_scripts import run_script
+from common.update_metrics import accumulate
 
-from common.update_metrics import ROLLOUT_CORR, accumulate
-
-SCRIPTS = ["grpo_hybrid", "dapo_hybrid", "gspo_hybrid", "rloo_hybrid", "reinforcepp_hybrid", "ppo_hybrid"]
+SCRIPTS = sorted(path.stem for path in (Path(__file__).parents[1] / "algos").glob("*_hybrid.py"))  # every script
 LN2, LN4 = math.log(2), math.log(4)
 # Three responses of 3, 2 and 4 tokens; log r = log pi_old - log pi_rollout per token. Past each response the engine's
 # log-probs are far off (log r 30), so any use of a padded position shows. Where r is 1/2, 2 or 4 the trainer's
@@ -39,7 +44,7 @@ def log_ratio():
 
 
 def criteria(rs, thresholds=""):
-    return check_rollout_correction(Args(rollout_rs=rs, rollout_rs_threshold=thresholds))
+    return rejection_criteria(RunArgs(rollout_rs=rs, rollout_rs_threshold=thresholds))
 
 
 def test_the_log_ratio_is_bounded_at_exp_20():
@@ -54,6 +59,14 @@ def test_the_log_ratio_is_bounded_at_exp_20():
         torch.tensor([[0.0, -60.0]]), torch.tensor([[-50.0, 0.0]]), torch.ones(1, 2), torch.ones(1, 2), "none", 2.0
     )
     assert all(math.isfinite(float(value)) for value in terms.values())
+
+
+def test_tis_weights_are_capped_importance_ratios():
+    old = torch.tensor([[0.0, -1.0, -2.0, -0.5]])
+    rollout = torch.tensor([[0.0, -2.0, -0.5, -0.6]])
+    weights = rollout_is_weights(old - rollout, torch.ones(1, 4), "token", threshold=2.0)
+    # pi_old / pi_rollout = 1, e (capped to 2), e^-1.5, e^0.1
+    torch.testing.assert_close(weights, torch.tensor([[1.0, 2.0, math.exp(-1.5), math.exp(0.1)]]))
 
 
 def test_token_weights_are_the_ratio_truncated():
@@ -137,7 +150,7 @@ def test_a_batch_rejected_whole_gives_no_nan():
     metrics = rollout_corr_metrics(terms)
     assert all(math.isfinite(value) for value in metrics.values())
     assert metrics[ROLLOUT_CORR + "rejected_token_share"] == 1.0
-    assert metrics[ROLLOUT_CORR + "rejected_seq_share"] == 1.0
+    assert metrics[ROLLOUT_CORR + "emptied_seq_share"] == 1.0
 
 
 def hand_diagnostics(weights_of):
@@ -156,8 +169,8 @@ def hand_diagnostics(weights_of):
         "ess": (sum(weights) ** 2) / (n * sum(w * w for w in weights)),
         "kl_k1": sum(-math.log(r) for _, _, r in tokens) / n,
         "kl_k3": sum(r - 1 - math.log(r) for _, _, r in tokens) / n,
-        "chi2_token": sum((r - 1) ** 2 for _, _, r in tokens) / n,
-        "chi2_seq": sum((r - 1) ** 2 for r in seq_ratio) / 3,
+        "chi2_centered_token": sum((r - 1) ** 2 for _, _, r in tokens) / n,
+        "chi2_centered_seq": sum((r - 1) ** 2 for r in seq_ratio) / 3,
         "ppl_trainer": sum(math.exp(-sum(row) / len(row)) for row in old) / 3,
         "ppl_rollout": sum(math.exp(-sum(row) / len(row)) for row in rollout) / 3,
         "log_ppl_diff": sum(-sum(row) / length for row, length in zip(LOG_RATIO, lengths)) / 3,
@@ -176,15 +189,15 @@ def test_diagnostics_by_hand(level, weights_of):
     kept = rollout_rejection(log_ratio(), MASK, criteria("token_k1", "0.6_1.9"))  # 3 of 9 tokens, no sequence whole
     metrics = rollout_corr_metrics(rollout_corr_terms(OLD, ROLLOUT, MASK, MASK, level, 2.0))
     expected = {ROLLOUT_CORR + key: value for key, value in hand_diagnostics(weights_of).items()}
-    expected |= {ROLLOUT_CORR + "rejected_token_share": 0.0, ROLLOUT_CORR + "rejected_seq_share": 0.0}
+    expected |= {ROLLOUT_CORR + "rejected_token_share": 0.0, ROLLOUT_CORR + "emptied_seq_share": 0.0}
     # r_t untruncated whatever the level: its spread over the tokens and its largest, r = 4
     ratios = [math.exp(LOG_RATIO[i][t]) for i, t in TOKENS]
-    expected["rollout/importance_weight_std"] = statistics.pstdev(ratios)
-    expected["rollout/importance_weight_max"] = 4.0
+    expected["rollout/ratio_std"] = statistics.pstdev(ratios)
+    expected["rollout/ratio_max"] = 4.0
     assert metrics == pytest.approx(expected, rel=1e-5, abs=1e-7)
     rejecting = rollout_corr_metrics(rollout_corr_terms(OLD, ROLLOUT, MASK, kept, "none", 2.0))
     assert rejecting[ROLLOUT_CORR + "rejected_token_share"] == pytest.approx(3 / 9)
-    assert rejecting[ROLLOUT_CORR + "rejected_seq_share"] == 0.0
+    assert rejecting[ROLLOUT_CORR + "emptied_seq_share"] == 0.0
 
 
 def test_the_updates_shares_add_up_to_the_batchs_diagnostics():
@@ -201,7 +214,7 @@ def test_the_updates_shares_add_up_to_the_batchs_diagnostics():
 
 def test_with_the_engine_equal_to_the_trainer_nothing_changes():
     """fp32 on both sides, no staleness: every weight 1, nothing rejected, the loss the uncorrected one."""
-    every_criterion = ",".join(name for name in importlib.import_module("grpo_hybrid").REJECTION_CRITERIA)
+    every_criterion = ",".join(REJECTION_CRITERIA)
     thresholds = ",".join("0.5_2" if name.endswith("k1") else "0.01" for name in every_criterion.split(","))
     log_ratio = rollout_log_ratio(OLD, OLD)
     assert rollout_rejection(log_ratio, MASK, criteria(every_criterion, thresholds)).tolist() == KEEP_ALL
@@ -210,10 +223,11 @@ def test_with_the_engine_equal_to_the_trainer_nothing_changes():
     metrics = rollout_corr_metrics(rollout_corr_terms(OLD, OLD, MASK, MASK, "sequence", 2.0))
     for key in ("weight_mean", "weight_max", "weight_min", "ess"):
         assert metrics[ROLLOUT_CORR + key] == 1.0
-    for key in ("kl_k1", "kl_k3", "chi2_token", "chi2_seq", "log_ppl_diff", "rejected_token_share", "rejected_seq_share"):
+    zero = ("kl_k1", "kl_k3", "chi2_centered_token", "chi2_centered_seq", "log_ppl_diff", "rejected_token_share")
+    for key in (*zero, "emptied_seq_share"):
         assert metrics[ROLLOUT_CORR + key] == 0.0
     assert metrics[ROLLOUT_CORR + "ppl_trainer"] == metrics[ROLLOUT_CORR + "ppl_rollout"]
-    assert metrics["rollout/importance_weight_std"] == 0.0 and metrics["rollout/importance_weight_max"] == 1.0
+    assert metrics["rollout/ratio_std"] == 0.0 and metrics["rollout/ratio_max"] == 1.0
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -271,7 +285,7 @@ def test_each_scripts_loss_weighs_each_token_by_its_sequences_weight(script):
 )
 def test_bad_flags_are_clear_errors(flags, message):
     with pytest.raises(ValueError, match=message):
-        check_rollout_correction(Args(**flags))
+        check_rollout_correction(RunArgs(**flags))
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -283,48 +297,45 @@ def test_each_script_checks_the_flags_before_any_worker_starts(script, tmp_path)
     assert "Started a local Ray instance" not in result.stderr + result.stdout
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_the_tis_flags_are_short_names(script):
-    module = importlib.import_module(script)
-    assert module.rollout_is_level(module.Args(tis=True)) == "token"
-    assert module.rollout_is_level(module.Args()) == "none"
-    assert module.rollout_is_level(module.Args(max_staleness=2)) == "token"  # the decoupled objective's weight
-    assert module.rollout_is_level(module.Args(max_staleness=2, rollout_is="none")) == "none"
-
-
-SHARED = [
-    "agg_loss",
-    "rollout_log_ratio",
-    "rollout_is_weights",
-    "rollout_rejection",
-    "rollout_corr_terms",
-    "rollout_corr_metrics",
-    "skipped_pass_metrics",
-    "rollout_is_level",
-    "check_rollout_correction",
-    "needs_old_log_prob_pass",
-    "actor_loss",
-]
-
-
-@pytest.mark.parametrize("name", SHARED)
-def test_the_forks_share_the_corrections_code(name):
-    sources = {script: inspect.getsource(getattr(importlib.import_module(script), name)) for script in SCRIPTS}
-    if name == "actor_loss":  # beside the algorithm's own terms, the correction's lines are the same
-        lines = [set(source.splitlines()) for source in sources.values()]
-        correction = [line for line in sources["grpo_hybrid"].splitlines() if "rollout" in line or "old_log_prob" in line]
-        assert all(set(correction) <= script_lines for script_lines in lines)
-    else:
-        assert len(set(sources.values())) == 1, name
+def test_the_tis_flags_are_short_names():
+    assert rollout_is_level(RunArgs(tis=True)) == "token"
+    assert rollout_is_level(RunArgs()) == "none"
+    assert rollout_is_level(RunArgs(max_staleness=2)) == "token"  # the decoupled objective's weight
+    assert rollout_is_level(RunArgs(max_staleness=2, rollout_is="none")) == "none"
 
 
 def test_the_old_log_prob_pass_runs_when_the_step_reads_it():
-    from ppo_hybrid import Args as PPOArgs
-    from ppo_hybrid import needs_old_log_prob_pass
-
     one_step = dict(train_batch_size=8, mini_batch_size=8)
-    assert not needs_old_log_prob_pass(PPOArgs(**one_step))
-    assert needs_old_log_prob_pass(PPOArgs(**one_step), reward_reads_it=True)  # a KL to the reference in the reward
-    assert needs_old_log_prob_pass(PPOArgs(train_batch_size=8, mini_batch_size=4))
-    assert needs_old_log_prob_pass(PPOArgs(**one_step, ppo_epochs=2))
-    assert needs_old_log_prob_pass(PPOArgs(**one_step, rollout_rs="icepop"))  # rejection precedes the update's counts
+    assert not needs_old_log_prob_pass(RunArgs(**one_step))
+    assert needs_old_log_prob_pass(RunArgs(**one_step), reward_reads_it=True)  # a KL to the reference in the reward
+    assert needs_old_log_prob_pass(RunArgs(train_batch_size=8, mini_batch_size=4))
+    assert needs_old_log_prob_pass(RunArgs(**one_step, ppo_epochs=2))
+    assert needs_old_log_prob_pass(RunArgs(**one_step, rollout_rs="icepop"))  # rejection precedes the update's counts
+
+
+def test_the_steps_diagnostics_are_the_same_with_or_without_the_pass():
+    """rollout_diagnostics reads the pass's log-probs from the batch, or the terms that the update measured instead
+    (update_terms, the shares of two micro-batches added up as the worker does); rejection_mask rejects from the pass's."""
+    from common.dataproto import DataProto
+    from common.rollout_correction import rejection_mask, rollout_diagnostics, update_terms
+
+    args = RunArgs(rollout_is="token", max_rollout_logprob_diff=0.0)  # the gaps here are the test's, not a stale engine
+    staleness = torch.zeros(3, dtype=torch.long)
+    passed = DataProto.from_dict(
+        {"response_mask": MASK, "old_log_probs": OLD, "rollout_log_probs": ROLLOUT, "staleness": staleness}
+    )
+    assert rejection_mask(passed, args) is passed["response_mask"]
+    rejecting = RunArgs(rollout_rs="token_k1", rollout_rs_threshold="0.6_1.9")
+    expected = rollout_rejection(log_ratio(), MASK, criteria("token_k1", "0.6_1.9"))
+    assert rejection_mask(passed, rejecting).tolist() == expected.tolist()
+    from_pass = rollout_diagnostics(passed, MASK, {"pg_loss": 1.0}, args)
+    update = {}
+    for rows in (slice(0, 1), slice(1, 3)):
+        micro_batch = DataProto.from_dict({"response_mask": MASK[rows], "rollout_log_probs": ROLLOUT[rows]})
+        entropy = torch.zeros_like(MASK[rows])
+        for key, value in update_terms(micro_batch, OLD[rows], entropy, MASK.sum(), 3, args).items():
+            accumulate(update, key, float(value))
+    assert update_terms(passed, OLD, torch.zeros_like(MASK), MASK.sum(), 3, args) == {}  # the driver measures them
+    from_update = rollout_diagnostics(passed.select("response_mask", "rollout_log_probs", "staleness"), MASK, update, args)
+    assert from_update == pytest.approx(from_pass, rel=1e-5)
+    assert set(update) == {"entropy"}  # the diagnostics' terms were taken out of the update's figures

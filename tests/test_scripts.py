@@ -44,21 +44,21 @@ SHARED_METRICS = [
     "reward/errors",
     "rollout/logprob_diff_mean",
     "rollout/logprob_diff_max",
-    "rollout/importance_weight_std",
-    "rollout/importance_weight_max",
+    "rollout/ratio_std",
+    "rollout/ratio_max",
     "rollout_corr/weight_mean",
     "rollout_corr/weight_max",
     "rollout_corr/weight_min",
     "rollout_corr/ess",
     "rollout_corr/rejected_token_share",
-    "rollout_corr/rejected_seq_share",
+    "rollout_corr/emptied_seq_share",
     "rollout_corr/kl_k1",
     "rollout_corr/kl_k3",
     "rollout_corr/ppl_trainer",
     "rollout_corr/ppl_rollout",
     "rollout_corr/log_ppl_diff",
-    "rollout_corr/chi2_token",
-    "rollout_corr/chi2_seq",
+    "rollout_corr/chi2_centered_token",
+    "rollout_corr/chi2_centered_seq",
 ]
 
 
@@ -162,8 +162,8 @@ def test_two_steps_with_two_workers(ray_cluster, demo_files, tmp_path, algo, fla
     assert rows[2]["rollout/logprob_diff_max"] < 1e-4
     for name in ("weight_mean", "weight_max", "weight_min", "ess"):
         assert rows[2][f"rollout_corr/{name}"] == pytest.approx(1.0, abs=1e-4), name
-    assert rows[2]["rollout/importance_weight_max"] == pytest.approx(1.0, abs=1e-4)
-    assert rows[2]["rollout_corr/rejected_token_share"] == rows[2]["rollout_corr/rejected_seq_share"] == 0
+    assert rows[2]["rollout/ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    assert rows[2]["rollout_corr/rejected_token_share"] == rows[2]["rollout_corr/emptied_seq_share"] == 0
     assert "held-out accuracy" in result.stdout
     assert json.loads((run_dir / "config.json").read_text())["lora_rank"] == (8 if "--lora-rank" in flags else 0)
 

@@ -16,7 +16,7 @@ import torch
 from ray import cloudpickle
 
 from common.checkpoint import complete_checkpoints
-from common.rollout import check_probe
+from common.rollout_correction import check_probe
 from common.weight_sync import engine_weights, send_tensors
 from common.worker_group import ResourcePool, WorkerGroup, wait_all
 from common.workers import RolloutWorker
@@ -190,10 +190,10 @@ def test_steps_on_a_rollout_worker(ray_cluster, demo_files, tmp_path, algo, flag
     if bound == 0:  # every sample from the policy's own weights: the engine's log-probs are the trainer's
         assert all(row["rollout/logprob_diff_max"] < 1e-4 for row in steps)
     else:
-        assert max(row["rollout/importance_weight_std"] for row in steps) > 0
+        assert max(row["rollout/ratio_std"] for row in steps) > 0
         # the correction's weights spread both ways around 1, measured by the update where it stands in for the pass
         assert max(row["rollout_corr/weight_max"] for row in steps) > 1 > min(row["rollout_corr/weight_min"] for row in steps)
-        assert max(row["rollout_corr/chi2_token"] for row in steps) > 0
+        assert max(row["rollout_corr/chi2_centered_token"] for row in steps) > 0
 
 
 def test_sigterm_saves_where_the_engines_batches_begin_and_the_run_resumes(ray_cluster, demo_files, tmp_path):

@@ -19,7 +19,9 @@ from ray import cloudpickle
 import grpo_hybrid
 from common.envs import ENV_CALLS
 from common.isolation import InProcessCalls
-from common.rollout import MAX_NUM_SEQS, kv_cache_bytes, machine_memory_bytes, rollout_logprob_gap
+from common.memory import machine_memory_bytes
+from common.rollout import MAX_NUM_SEQS, kv_cache_bytes
+from common.rollout_correction import rollout_logprob_gap
 from common.weight_sync import engine_weights
 from common.worker_group import WorkerGroup
 from test_envs import play, turns_of
