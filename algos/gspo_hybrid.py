@@ -103,7 +103,7 @@ def compute_policy_loss(
     """GSPO-token's clipped surrogate (section 4.2): every token of a sequence carries the sequence's importance ratio,
     s = (pi / pi_old)^(1 / length), the geometric mean of its tokens' ratios, and its own token's gradient
     (s_t = sg[s] x pi_t / sg[pi_t]); the ratio is clipped to [1 - clip_low, 1 + clip_high]. Optionally weighted per
-    token (rollout_is_weights)."""
+    token (--rollout-is: common/rollout_correction.py's loss_weights)."""
     seq_log_ratio = ((log_prob - old_log_prob) * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [batch]: log s
     log_ratio = (log_prob - log_prob.detach() + seq_log_ratio.detach()[:, None]).clamp(max=10)  # [batch, response_len]
     ratio = log_ratio.exp()

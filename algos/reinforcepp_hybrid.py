@@ -139,7 +139,7 @@ def compute_policy_loss(
     is_weights=None,
 ):
     """PPO's clipped surrogate with dual-clip (Ye et al. 2020) for negative advantages, optionally weighted per token
-    (rollout_is_weights)."""
+    (--rollout-is: common/rollout_correction.py's loss_weights)."""
     log_ratio = (log_prob - old_log_prob).clamp(-20, 20)  # [batch, response_len]: log r, r = pi / pi_old
     ratio = log_ratio.exp()
     surrogate = -advantages * ratio
