@@ -60,7 +60,7 @@ def sha256_of_each(paths: list[Path]) -> list[str]:
 def write_manifest(folder: Path) -> None:
     """Every file under checkpoint `folder`, with its size and sha256, into folder/manifest.json: after the files, and
     whole or not at all (written under a scratch name, then renamed)."""
-    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p != folder / MANIFEST)  # none yet, during a save
     digests = sha256_of_each(files)
     entries = {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": d} for p, d in zip(files, digests)}
     scratch = folder / f".{MANIFEST}.partial"
