@@ -176,8 +176,8 @@ def find_checkpoint(resume: str | None, runs_dir: str, run_prefix: str) -> Path 
             )
         damage = checkpoint_damage(checkpoint)
         if damage:
-            earlier = [c.name for c in complete_checkpoints(checkpoint.parent.parent) if c.name != checkpoint.name]
-            others = f"its run's other checkpoints: {', '.join(earlier)}" if earlier else "its run has no other"
+            names = [c.name for c in complete_checkpoints(checkpoint.parent.parent) if c.name != checkpoint.name]
+            others = f"its run's other checkpoints: {', '.join(names)}" if names else "its run has no other"
             raise ValueError(
                 f"--resume {resume}: this checkpoint is damaged, its files differ from its manifest:\n  "
                 + "\n  ".join(damage)
