@@ -213,7 +213,8 @@ class RunArgs:
     keep_last: int = flag(2, resumable=True)
     """checkpoints to keep; older ones are deleted (0 keeps all)"""
     resume: str | None = flag(None, resumable=True)
-    """`auto`: continue the newest complete checkpoint of this algorithm, exp-name and seed; or a step_<N> folder"""
+    """`auto`: continue the newest checkpoint of this algorithm, exp-name and seed whose files check out against its
+    manifest; or a step_<N> folder (checked the same way)"""
     force_resume: bool = flag(False, resumable=True)
     """resume even from a checkpoint made with other settings"""
     export_adapter_only: bool = flag(False, resumable=True)

@@ -296,7 +296,7 @@ class Run:
     def _report_stop(self, kind, error, traceback) -> None:
         """A fault mid-run as one message: what happened, where the run stands and the command that continues it.
         (sys.excepthook: Ray's screens of traceback for a dead worker say no more, and hide the way back.)"""
-        from common.checkpoint import CheckpointNotWritten, find_checkpoint
+        from common.checkpoint import CheckpointNotWritten, saved_checkpoints
         from common.worker_group import WorkerDied
 
         if isinstance(error, WorkerDied):
@@ -310,7 +310,7 @@ class Run:
         else:
             sys.__excepthook__(kind, error, traceback)
             return
-        checkpoint = find_checkpoint("auto", "runs", self.run_prefix)
+        checkpoint = next(iter(saved_checkpoints("runs", self.run_prefix)), None)  # unchecked: --resume checks it
         if checkpoint is None:
             where = "no complete checkpoint yet: the command below starts the run again from step 1"
         else:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 import shutil
 import subprocess
 import time
@@ -27,17 +29,16 @@ class Tracker:
         group: str | None = None,
         tags: tuple[str, ...] = (),
     ):
-        """A new run, runs/<run_prefix>__<unix time>, or the run of checkpoint `resume_from`
-        (runs/<run name>/checkpoints/step_<N>) continued. `config` goes to config.json and to wandb.
+        """A new run in a folder of its own (new_run_dir), or the run of checkpoint `resume_from`
+        (runs/<run name>/checkpoints/step_<N>) continued. `config` goes to config.json and to wandb, whose run id is
+        the folder's name.
 
         The `script` that runs is copied into runs/<run name>/code/ with the git commit it belongs to (code.json), as
         cleanrl saves the code with every run: a fork's curve keeps the code that made it. In wandb the run joins
         `group` (runs of one experiment) with `tags` (the algorithm), and carries the copy and the commit."""
-        new_run = Path(runs_dir) / f"{run_prefix}__{int(time.time())}"
         # Absolute: workers, on this node or others, may run in another directory.
-        self.run_dir = (resume_from.parent.parent if resume_from else new_run).resolve()
+        self.run_dir = (resume_from.parent.parent if resume_from else new_run_dir(runs_dir, run_prefix)).resolve()
         self.run_name = self.run_dir.name
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
         metrics_path = self.run_dir / "metrics.jsonl"
         if resume_from and metrics_path.exists():
@@ -90,6 +91,31 @@ class Tracker:
         self.metrics_file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def new_run_dir(runs_dir: str, run_prefix: str) -> Path:
+    """A new run's folder, runs_dir/<run_prefix>__<unix time>__<6 random hex digits>, created here and owned by this run.
+
+    The folder is made without exist_ok: mkdir is atomic, on a local disk and on a network file system alike, so of
+    two runs that pick one name only one makes the folder, and the other draws another name. The random digits come
+    from the operating system (os.urandom), not from the RNGs a run seeds, which two runs of one --seed share: runs
+    started in the same second, on one machine or on many writing to one file system, draw different names (a repeat
+    is 1 in 16.7 million, and is then drawn again)."""
+    Path(runs_dir).mkdir(parents=True, exist_ok=True)
+    while True:
+        folder = Path(runs_dir) / f"{run_prefix}__{int(time.time())}__{secrets.token_hex(3)}"
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+
+
+def run_dirs(runs_dir: str, run_prefix: str) -> list[Path]:
+    """The folders of the runs named `run_prefix` (algorithm, experiment and seed) in `runs_dir`: those new_run_dir
+    names, and those named without the random digits before they had them."""
+    name = re.compile(re.escape(run_prefix) + r"__\d+(__[0-9a-f]{6})?")
+    return [folder for folder in Path(runs_dir).glob(f"{run_prefix}__*") if name.fullmatch(folder.name)]
 
 
 def save_code(script: str, folder: Path, resume_from: Path | None) -> dict:

@@ -1,10 +1,13 @@
-"""What a run records to compare forks: the script that ran, its commit, and in wandb (offline) group and tag."""
+"""What a run records to compare forks: the script that ran, its commit, and in wandb (offline) group and tag; and a
+folder of its own, whoever else starts a run at the same time."""
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
-from common.tracking import Tracker
+from common.tracking import Tracker, new_run_dir, run_dirs
+from test_checkpoint import TINY, metric_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,6 +40,7 @@ def test_a_run_keeps_its_script_and_commit_and_wandb_groups_it_by_experiment(tmp
         code = json.loads((tracker.run_dir / "code" / "code.json").read_text())
         assert code == {"script": "fork/my_algo_hybrid.py", "copy": copy.name, "commit": commit, "changed_since_commit": True}
         assert tracker.wandb.group == "exp" and list(tracker.wandb.tags) == ["my_algo"]
+        assert tracker.wandb.id == tracker.run_name == tracker.run_dir.name
         assert tracker.wandb.config["code"] == code and tracker.wandb.config["lr"] == 1.0
         [offline] = (tracker.run_dir / "wandb").glob("offline-run-*")
         assert (offline / "files" / "code" / copy.name).read_text() == fork.read_text()  # the code travels with the run
@@ -58,3 +62,35 @@ def test_a_run_keeps_its_script_and_commit_and_wandb_groups_it_by_experiment(tmp
     outside = Tracker("loose__exp__1", {}, script=str(loose))
     outside.close()
     assert json.loads((outside.run_dir / "code" / "code.json").read_text())["commit"] is None
+
+
+def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path):
+    # three made within a second (a mkdir takes microseconds) fall in at most two seconds: two of them share one
+    folders = [new_run_dir(str(tmp_path), "grpo__x__1") for _ in range(3)]
+    seconds = [folder.name.split("__")[3] for folder in folders]
+    assert len(set(folders)) == 3 and len(set(seconds)) < 3
+    assert all(folder.is_dir() and not any(folder.iterdir()) for folder in folders)
+    # --resume auto's search: these and a run named before the random digits, not another seed's or experiment's
+    others = ["grpo__x__1__1795678723", "grpo__x__10__1795678723__0a1b2c", "grpo__x__1__5__1795678723__0a1b2c"]
+    for name in others:
+        (tmp_path / name).mkdir()
+    assert sorted(run_dirs(str(tmp_path), "grpo__x__1")) == sorted([*folders, tmp_path / others[0]])
+
+
+def test_two_scripts_started_together_write_two_runs(ray_cluster, demo_files, tmp_path):
+    """A sweep's two runs of one script and seed, started at once in one folder: each writes its own config, metrics
+    and checkpoints."""
+    rates = ["1e-6", "2e-6"]
+    script = [sys.executable, str(ROOT / "algos" / "grpo_hybrid.py"), *TINY, "--total-steps", "2"]
+    started = [
+        subprocess.Popen([*script, "--lr", lr], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for lr in rates
+    ]
+    for process in started:
+        _, stderr = process.communicate(timeout=600)
+        assert process.returncode == 0, stderr[-3000:]
+    runs = list((tmp_path / "runs").iterdir())
+    assert sorted(json.loads((run / "config.json").read_text())["lr"] for run in runs) == [1e-6, 2e-6]
+    for run in runs:
+        assert [row["step"] for row in metric_rows(run)] == [1, 2]
+        assert [c.name for c in (run / "checkpoints").iterdir()] == ["step_2"]
