@@ -4,13 +4,16 @@ process and without Ray:
 
 - the update's throughput, trained tokens a second and model-FLOPs utilisation against the GPU's bf16 peak, at 4k and
   16k tokens per micro-batch (one sequence each, GRPO's loss), with LoRA r16 and with every weight trained;
+- the same at prime-rl's shape: micro-batches of 16k tokens packed from sequences of 256 to 4,096 tokens (mixed
+  lengths, as an RL batch has them), with and without activation checkpointing (prime-rl recomputes activations);
 - the hf engine's generation throughput, generated tokens a second, at 8, 64 and 256 sequences;
 - the peak GPU memory of each (common/workers.measured, the runs' perf/peak_memory_gb);
 
-as one table, with the GPU's name, torch's version and the attention kernel. docs/gpu-check.md says how a session
-with a device runs it.
+then the quick start as typed, `python algos/grpo_hybrid.py`, under Ray on the one GPU for a few steps (where Ray is
+installed); as one table, with the GPU's name, torch's version, the attention kernel and the micro-batches' layout.
+docs/gpu-check.md says how a session with a device runs it.
 
-    python benchmarks/gpu_check.py        # one CUDA GPU: about 5 minutes on an H100
+    python benchmarks/gpu_check.py        # one CUDA GPU: at most 8 minutes
     python benchmarks/gpu_check.py --cpu  # the same code at tiny sizes on the CPU, in seconds (CI runs it)
 
 Model FLOPs of a trained token: 6 per weight of the matrix products, the output layer's included (forward 2, backward
@@ -20,6 +23,7 @@ trained tokens a second for Qwen3-0.6B in full, 13.3k with LoRA r16.
 """
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -43,7 +47,13 @@ QWEN3_06B = ROOT / "benchmarks" / "configs" / "qwen3-0.6b.json"
 PEAK_BF16_TFLOPS = {"H100 PCIe": 756, "H100": 989, "H200": 989, "A100": 312}
 SIZES = {
     "cuda": dict(
-        shape={}, micro_batch_tokens=(4096, 16384), tokens_per_update=65536, prompt=256, sequences=(8, 64, 256), response=256
+        shape={},
+        micro_batch_tokens=(4096, 16384),
+        tokens_per_update=65536,
+        prompt=256,
+        sequences=(8, 64, 256),
+        response=256,
+        packed_lengths=(256, 4096),
     ),
     # the same code, each number small enough for a CPU in seconds
     "cpu": dict(
@@ -61,10 +71,12 @@ SIZES = {
         prompt=8,
         sequences=(2, 4, 8),
         response=8,
+        packed_lengths=(8, 32),
     ),
 }
 LORA_RANK = 16
 TIMED_UPDATES = 3  # after one that warms up
+QUICK_START_STEPS = 3
 
 
 def random_model(config_file: Path, folder: Path, tokenizer_path: str, **shape) -> str:
@@ -100,10 +112,10 @@ def flops_per_token(config, sequence_length: int, lora: bool) -> float:
     return (4 if lora else 6) * weights + attention
 
 
-def policy_on(device: torch.device, model_path: str, lora_rank: int = 0) -> PolicyWorker:
+def policy_on(device: torch.device, model_path: str, lora_rank: int = 0, checkpointing: bool = False) -> PolicyWorker:
     """The policy worker as --in-process makes it, on `device`: bf16 compute over fp32 master weights on a GPU."""
     worker = PolicyWorker(0, 1, use_gpu=device.type == "cuda")
-    lora = dict(lora_rank=lora_rank, lora_alpha=2 * lora_rank)
+    lora = dict(lora_rank=lora_rank, lora_alpha=2 * lora_rank, gradient_checkpointing=checkpointing)
     settings = dict(use_reference=False, compute_dtype="auto", log_prob_chunk_tokens=1024)  # RunArgs' chunks
     worker.setup(worker.master_address(), model_path=model_path, **settings, **lora)
     return worker
@@ -114,28 +126,48 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def update_batch(vocab_size: int, sequences: int, length: int, prompt: int) -> DataProto:
-    """`sequences` rows of `length` random tokens, `prompt` of them the prompt, with GRPO's update inputs."""
+def update_batch(vocab_size: int, sequences: int, length: int, prompt: int, lengths: list[int] | None = None) -> DataProto:
+    """`sequences` rows of `length` random tokens, `prompt` of them the prompt, with GRPO's update inputs; with
+    `lengths`, row i holds that many tokens, its response right-padded."""
     input_ids = torch.randint(3, vocab_size, (sequences, length))
-    responses = input_ids[:, prompt:]
+    lengths = torch.tensor(lengths or [length] * sequences)
+    attention_mask = (torch.arange(length)[None] < lengths[:, None]).long()
+    responses = (input_ids * attention_mask)[:, prompt:]
     return DataProto.from_dict(
         {
-            "input_ids": input_ids,
-            "attention_mask": torch.ones_like(input_ids),
+            "input_ids": input_ids * attention_mask,
+            "attention_mask": attention_mask,
             "position_ids": torch.arange(length).expand(sequences, length),
             "responses": responses,
-            "response_mask": torch.ones_like(responses),
+            "response_mask": attention_mask[:, prompt:],
             "advantages": torch.randn(sequences, 1).expand_as(responses).contiguous(),
             "rollout_log_probs": torch.zeros(responses.shape),
         }
     )
 
 
-def measure_update(worker: PolicyWorker, micro_batch_tokens: int, tokens_per_update: int, prompt: int, lora: bool) -> dict:
-    """Trained tokens a second over TIMED_UPDATES updates of one sequence per micro-batch, its MFU, and the peak."""
+def mixed_lengths(shortest: int, longest: int, tokens: int) -> list[int]:
+    """Sequence lengths drawn evenly between `shortest` and `longest` (a fixed draw) until they hold `tokens`."""
+    generator, lengths = torch.Generator().manual_seed(0), []
+    while sum(lengths) < tokens:
+        lengths.append(int(torch.randint(shortest, longest + 1, (1,), generator=generator)))
+    return lengths
+
+
+def measure_update(
+    worker: PolicyWorker, micro_batch_tokens: int, tokens_per_update: int, prompt: int, lora: bool, lengths=None
+) -> dict:
+    """Trained tokens a second over TIMED_UPDATES updates of one sequence per micro-batch (or with `lengths`, the two
+    lengths between which those of sequences packed into micro-batches are drawn), its MFU, and the peak."""
     worker.micro_batch_tokens = micro_batch_tokens
     config = worker.model.config
-    batch = update_batch(config.vocab_size, max(1, tokens_per_update // micro_batch_tokens), micro_batch_tokens, prompt)
+    if lengths is None:
+        batch = update_batch(config.vocab_size, max(1, tokens_per_update // micro_batch_tokens), micro_batch_tokens, prompt)
+        attended = micro_batch_tokens
+    else:
+        drawn = mixed_lengths(*lengths, tokens_per_update)
+        batch = update_batch(config.vocab_size, len(drawn), lengths[1], prompt, drawn)
+        attended = sum(length**2 for length in drawn) / sum(drawn)  # a token's sequence length, averaged over tokens
     loss = partial(grpo_hybrid.actor_loss, args=grpo_hybrid.Args(kl_loss_coef=0.0))
     worker.update(batch, loss)
     worker.phase_peak_memory()
@@ -146,7 +178,7 @@ def measure_update(worker: PolicyWorker, micro_batch_tokens: int, tokens_per_upd
     synchronize(worker.device)
     tokens_per_s = TIMED_UPDATES * batch["attention_mask"].sum().item() / (time.perf_counter() - start)
     peak = peak_tflops(worker.device)
-    mfu = tokens_per_s * flops_per_token(config, micro_batch_tokens, lora) / (peak * 1e12) if peak else None
+    mfu = tokens_per_s * flops_per_token(config, attended, lora) / (peak * 1e12) if peak else None
     return dict(tokens_per_s=tokens_per_s, mfu=mfu, peak_gb=worker.phase_peak_memory()["update"])
 
 
@@ -163,6 +195,17 @@ def measure_generation(worker: PolicyWorker, sequences: int, prompt: int, respon
     synchronize(worker.device)
     tokens_per_s = generated["response_mask"].sum().item() / (time.perf_counter() - start)
     return dict(tokens_per_s=tokens_per_s, mfu=None, peak_gb=worker.phase_peak_memory()["generate"])
+
+
+def run_quick_start() -> str:
+    """`python algos/grpo_hybrid.py` as typed, under Ray, for QUICK_START_STEPS steps of the demo, in a scratch folder;
+    its whole output goes to this one's."""
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as scratch:
+        command = [sys.executable, str(ROOT / "algos" / "grpo_hybrid.py"), "--total-steps", str(QUICK_START_STEPS)]
+        result = subprocess.run([*command, "--test-freq", str(QUICK_START_STEPS)], cwd=scratch)
+    outcome = "passed" if result.returncode == 0 else f"FAILED (exit {result.returncode})"
+    return f"quick start under Ray ({QUICK_START_STEPS} steps): {outcome} in {time.perf_counter() - start:.0f} s"
 
 
 def run_tests() -> str:
@@ -185,24 +228,29 @@ def attempt(measurement, worker: PolicyWorker, *args) -> dict:
 
 
 def measure(device: torch.device, model_path: str) -> tuple[list[tuple[str, dict]], str]:
-    """Each row of the table (the update's at each micro-batch size, LoRA then full, then generation's), and the
-    attention kernel with the micro-batches' layout."""
+    """Each row of the table (the update's at each micro-batch size and packed at prime-rl's shape, LoRA then full, then
+    generation's, then the packed update's with activations recomputed), and the attention kernel with the layout."""
     import torch.distributed as dist
 
     sizes, rows = SIZES[device.type], []
-    for lora_rank in (LORA_RANK, 0):
-        worker = policy_on(device, model_path, lora_rank)
+    packed, widest = sizes["packed_lengths"], sizes["micro_batch_tokens"][-1]
+    for lora_rank, checkpointing in ((LORA_RANK, False), (0, False), (LORA_RANK, True), (0, True)):
+        worker = policy_on(device, model_path, lora_rank, checkpointing)
         name = f"update, LoRA r{lora_rank}" if lora_rank else "update, full"
-        for tokens in sizes["micro_batch_tokens"]:
-            result = attempt(measure_update, worker, tokens, sizes["tokens_per_update"], sizes["prompt"], lora_rank > 0)
-            rows.append((f"{name}, {tokens} tokens/micro-batch", result))
+        name += ", recomputed" if checkpointing else ""
+        one_each = [(f"{tokens} tokens/micro-batch", tokens, None) for tokens in sizes["micro_batch_tokens"]]
+        one_each = [] if checkpointing else one_each  # prime-rl's shape only: the recomputation's cost
+        for label, tokens, lengths in [*one_each, (f"{widest} packed of {packed[0]}-{packed[1]}", widest, packed)]:
+            update = (tokens, sizes["tokens_per_update"], sizes["prompt"], lora_rank > 0, lengths)
+            result = attempt(measure_update, worker, *update)
+            rows.append((f"{name}, {label}", result))
             print(rows[-1], flush=True)
-        if not lora_rank:
+        if not lora_rank and not checkpointing:
             for sequences in sizes["sequences"]:
                 result = attempt(measure_generation, worker, sequences, sizes["prompt"], sizes["response"])
                 rows.append((f"generate (hf), {sequences} x {sizes['prompt']}+{sizes['response']} tokens", result))
                 print(rows[-1], flush=True)
-        attention = f"{worker.attention}, micro-batches: {worker.layout}, compute: {worker.compute_dtype}"
+        attention = f"{worker.attention_kernel}, micro-batches: {worker.layout}, compute: {worker.compute_dtype}"
         del worker
         dist.destroy_process_group()  # the next worker starts its own, as a new process would
         if device.type == "cuda":
@@ -210,21 +258,21 @@ def measure(device: torch.device, model_path: str) -> tuple[list[tuple[str, dict
     return rows, attention
 
 
-def table(device: torch.device, rows: list[tuple[str, dict]], attention: str, tests: str) -> str:
+def table(device: torch.device, rows: list[tuple[str, dict]], attention: str, checks: list[str]) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     peak = peak_tflops(device)
     lines = [
         f"device: {name} (bf16 peak {f'{peak} TFLOP/s' if peak else 'unknown'}), torch {torch.__version__}",
         f"attention: {attention}",
-        tests,
+        *checks,
         "",
-        f"| {'measurement':<52} | {'tokens/s':>9} | {'MFU':>6} | {'peak GB':>7} |",
-        f"|{'-' * 54}|{'-' * 10}:|{'-' * 7}:|{'-' * 8}:|",
+        f"| {'measurement':<56} | {'tokens/s':>9} | {'MFU':>6} | {'peak GB':>7} |",
+        f"|{'-' * 58}|{'-' * 10}:|{'-' * 7}:|{'-' * 8}:|",
     ]
     for label, result in rows:
         mfu = f"{result['mfu']:.1%}" if result["mfu"] is not None else "-"
         tokens_per_s = "OOM" if result["tokens_per_s"] is None else f"{result['tokens_per_s']:.0f}"
-        lines.append(f"| {label:<52} | {tokens_per_s:>9} | {mfu:>6} | {result['peak_gb']:>7.2f} |")
+        lines.append(f"| {label:<56} | {tokens_per_s:>9} | {mfu:>6} | {result['peak_gb']:>7.2f} |")
     return "\n".join(lines)
 
 
@@ -235,14 +283,18 @@ def main() -> None:
     if not args.cpu and not torch.cuda.is_available():
         sys.exit("no CUDA GPU here: run on a machine with one, or pass --cpu for the dry run")
     device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
-    tests = "pytest tests/gpu: not run (--cpu; CI runs it)" if args.cpu else run_tests()
+    checks = ["pytest tests/gpu: not run (--cpu; CI runs it)" if args.cpu else run_tests()]
+    if args.cpu or importlib.util.find_spec("ray") is None:
+        checks.append("quick start under Ray: not run (" + ("--cpu; CI runs the scripts)" if args.cpu else "no Ray here)"))
+    else:
+        checks.append(run_quick_start())
     from common.demo import build_tiny_model
 
     with tempfile.TemporaryDirectory() as scratch:
         build_tiny_model(f"{scratch}/tiny")  # for its tokenizer
         model_path = random_model(QWEN3_06B, Path(scratch, "model"), f"{scratch}/tiny", **SIZES[device.type]["shape"])
         rows, attention = measure(device, model_path)
-    print(table(device, rows, attention, tests))
+    print(table(device, rows, attention, checks))
 
 
 if __name__ == "__main__":

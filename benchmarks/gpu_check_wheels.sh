@@ -1,10 +1,29 @@
 #!/usr/bin/env bash
-# Run here, before a device check: downloads into .whl/ (ignored by git) the wheels that the one-process path imports
-# and the device machine lacks (tyro and what it needs), for its Python 3.12 on x86-64. The device's command installs
-# them from there (docs/gpu-check.md).
+# Run here, before a device check: puts into .whl/ (ignored by git) what the check imports and the device machine
+# lacks, for its Python (3.12 unless given: `benchmarks/gpu_check_wheels.sh 3.11` builds this machine's) on x86-64:
+#   - tyro and what it needs (the scripts' flags);
+#   - Ray, this environment's version, as ray.tar.xz: its wheel without what the project never imports (rllib, data,
+#     train, tune, serve, llm, its Java jars, the dashboard's web client), tarred and compressed with xz -6, with
+#     jsonschema and what it needs (the one dependency of Ray's that the device machine lacks).
+# It prints the size of it all: a call carries at most 64 MiB with the working tree. The device's command installs
+# the wheels and unpacks Ray into one folder (docs/gpu-check.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .whl tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 typing-extensions==4.16.0
-du -sh .whl
+python_version="${1:-3.12}"
+ray_version="$(python3 -c 'import importlib.metadata as m; print(m.version("ray"))')"
+download() {
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$python_version" --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --platform any -d "$@"
+}
+rm -rf .whl && mkdir -p .whl
+download .whl tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 typing-extensions==4.16.0
+download .whl jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==0.30.0
+staging="$(mktemp -d)"
+trap 'rm -rf "$staging"' EXIT
+download "$staging" "ray==$ray_version"
+unzip -q "$staging"/ray-*.whl -d "$staging/site"  # unzip keeps the executables' modes
+rm -rf "$staging"/site/ray/{rllib,data,train,tune,serve,llm,jars,dashboard/client}
+tar -C "$staging/site" -cf - . | xz -6 -T0 >.whl/ray.tar.xz
+echo "Ray $ray_version for Python $python_version, pruned: $(du -h .whl/ray.tar.xz | cut -f1)"
+du -ch .whl/* | tail -1

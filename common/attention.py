@@ -1,4 +1,5 @@
-"""Attention without a square mask: packed rows and shared prompts through FlexAttention's block masks.
+"""Attention without a square mask: packed rows through PyTorch's FlashAttention varlen kernel, or through
+FlexAttention's block masks (shared prompts too); and which attention a worker loads its model with (choose).
 
 A dense mask ([rows, 1, width, width], one entry per pair of tokens) grows with the square of a row's width: a 32k
 row's takes 1 GiB, and a GPU's SDPA given any mask leaves its flash kernel for one that reads it. A block mask keeps,
@@ -7,15 +8,20 @@ and asks a mask function about the partial ones: a few kilobytes where the dense
 
 The model runs with this module's attention (`register`): FlexAttention where a forward passes a BlockMask as its
 `attention_mask`, transformers' SDPA for everything else (generation, padded micro-batches), with the masks SDPA gets.
+On a GPU computing in bf16 without flash-attn installed, it runs with `register_varlen`'s instead: a micro-batch's
+sequences in one row, no mask at all, each sequence's bounds read off its position ids, as flash-attn's kernel takes them.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
 ATTENTION = "hybridrl_flex"
+VARLEN = "hybridrl_varlen"
+FLASH_DTYPES = (torch.bfloat16, torch.float16)  # what FlashAttention's kernels compute in, on GPUs from Ampere (8.0)
 BLOCK = 128  # FlexAttention's block: each side of the square splits into blocks this wide
 
 # On the CPU, FlexAttention runs through torch.compile (C++ through gcc: 7 to 11 s the first time in a process, about
@@ -38,6 +44,38 @@ def available() -> bool:
     return True
 
 
+def choose(device_type: str, capability: int, dtype: torch.dtype, flash_attn: bool, varlen: bool) -> str:
+    """The attention a worker on a `device_type` device of compute `capability` (a GPU's major version) loads its model
+    with, computing in `dtype`, where flash-attn's kernel loads (`flash_attn`) and torch has its varlen kernel
+    (`varlen`): flash-attn's, else PyTorch's own (VARLEN), on GPUs that run FlashAttention in its dtypes; SDPA elsewhere
+    (with block masks where FlexAttention's check passes, see flex_from)."""
+    if device_type != "cuda" or capability < 8 or dtype not in FLASH_DTYPES:
+        return "sdpa"
+    return "flash_attention_2" if flash_attn else VARLEN if varlen else "sdpa"
+
+
+def flash_attn_loads() -> bool:
+    """Whether flash-attn is installed and its compiled kernel loads (a build against another torch fails here)."""
+    from transformers.utils import is_flash_attn_2_available
+
+    if not is_flash_attn_2_available():
+        return False
+    try:
+        import flash_attn_2_cuda  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def varlen_kernel():
+    """torch.nn.attention.varlen.varlen_attn (torch 2.10 and later; its kernel runs on CUDA only), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
 def register() -> str:
     """Make this module's attention one transformers can load a model with; returns its name."""
     from transformers import AttentionInterface
@@ -46,6 +84,87 @@ def register() -> str:
     AttentionInterface.register(ATTENTION, attention)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     return ATTENTION
+
+
+def register_varlen() -> str:
+    """Make varlen_attention one transformers can load a model with; returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(VARLEN, varlen_attention)
+    AttentionMaskInterface.register(VARLEN, varlen_mask)
+    return VARLEN
+
+
+def varlen_mask(batch_size: int, q_length: int, kv_length: int, attention_mask=None, **kwargs):
+    """No mask for one row without a padding mask or a cache (varlen_attention reads the sequences off the position
+    ids); SDPA's mask for anything else (padded micro-batches, generation)."""
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is None and batch_size == 1 and q_length == kv_length:
+        return None
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, attention_mask=attention_mask, **kwargs)
+
+
+_bounds_of: tuple = (None, None)  # the last position ids and their sequences' bounds: every layer gets the same tensor
+
+
+def sequence_bounds(position_ids: torch.Tensor) -> tuple[torch.Tensor, list[int], int]:
+    """The sequences of one row of packed `position_ids` ([1, tokens]; a sequence starts at each 0 and at the first
+    token): their cumulative bounds (int32, [sequences + 1], as the varlen kernels take them), as a list, and the
+    longest one's length. Computed once per forward: reading them synchronises a GPU."""
+    global _bounds_of
+    if _bounds_of[0] is not position_ids:
+        starts = position_ids[0] == 0
+        starts[0] = True
+        tokens = torch.tensor([position_ids.shape[1]], device=position_ids.device)
+        bounds = torch.cat([starts.nonzero()[:, 0], tokens]).to(torch.int32)
+        bound_list = bounds.tolist()
+        _bounds_of = (position_ids, (bounds, bound_list, max(b - a for a, b in zip(bound_list, bound_list[1:]))))
+    return _bounds_of[1]
+
+
+@functools.cache
+def varlen_options() -> tuple[dict, bool]:
+    """How this torch's varlen_attn is told to attend causally (window_size=(-1, 0) from early 2026, is_causal=True
+    before), and whether it takes fewer key and value heads than query heads itself (enable_gqa, torch 2.12)."""
+    parameters = inspect.signature(varlen_kernel()).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
+    return causal, "enable_gqa" in parameters
+
+
+def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention call: with no mask over one row, each of its sequences (sequence_bounds) attends causally
+    to itself through PyTorch's FlashAttention varlen kernel where it runs (CUDA, bf16 or fp16), else through SDPA a
+    sequence at a time (the CPU, fp32: the same result, slower); SDPA with anything else (a mask, a cache, rows)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    position_ids = kwargs.get("position_ids")
+    if attention_mask is not None or position_ids is None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("s_aux") is not None or dropout:
+        raise NotImplementedError("varlen attention is plain: this layer has a window, soft-capping, sinks or dropout")
+    bounds, bound_list, longest = sequence_bounds(position_ids)
+    query, key, value = (states[0].transpose(0, 1) for states in (query, key, value))  # [tokens, heads, head dim]
+    groups = query.shape[1] // key.shape[1]
+    kernel = varlen_kernel()
+    if kernel is not None and query.is_cuda and query.dtype in FLASH_DTYPES:
+        causal, takes_groups = varlen_options()
+        if groups > 1 and not takes_groups:
+            key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        gqa = {"enable_gqa": True} if groups > 1 and takes_groups else {}
+        query, key, value = (states.contiguous() for states in (query, key, value))  # keys come from RoPE heads-first
+        output = kernel(query, key, value, bounds, bounds, longest, longest, scale=scaling, **causal, **gqa)
+    else:
+        sequences = []
+        for start, end in zip(bound_list[:-1], bound_list[1:]):
+            q, k, v = (states[start:end].transpose(0, 1) for states in (query, key, value))  # [heads, tokens, head dim]
+            attended = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scaling, enable_gqa=groups > 1
+            )
+            sequences.append(attended.transpose(0, 1))
+        output = torch.cat(sequences)
+    return output[None], None
 
 
 def flex_from(device: torch.device, micro_batch_tokens: int) -> int | None:

@@ -18,7 +18,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common.attention import flex_from
+from common.attention import ATTENTION as FLEX
+from common.attention import VARLEN, choose, flash_attn_loads, flex_from, register_varlen, varlen_kernel
+from common.attention import available as flex_available
 from common.attention import register as register_flex
 from common.dataproto import DataProto
 from common.layouts import Layout, balanced_parts, part_loads, response_outputs
@@ -95,9 +97,8 @@ class FSDPWorker(MemoryBudget, Worker):
         self.model_path, self.max_grad_norm, self.lora = model_path, max_grad_norm, lora_rank > 0
         self.epochs, self.mini_batch_size, self.micro_batch_size = epochs, mini_batch_size, micro_batch_size
         self.micro_batch_tokens = micro_batch_tokens
-        # FlexAttention where SDPA would take a dense mask: in the model's attention, or inside sequence parallelism's
-        self.flex_from = flex_from(self.device, micro_batch_tokens) if self.attention in ("sdpa", ULYSSES) else None
-        if self.flex_from is not None and self.attention == "sdpa":
+        # FlexAttention where SDPA would take a dense mask (see set_up_block_masks); SDPA until a forward gets a block mask
+        if self.attention == "sdpa" and flex_available():
             self.attention = register_flex()
         self.lora_settings = (lora_rank, lora_alpha, lora_target_modules)
         model = self._load(model_path)
@@ -111,19 +112,18 @@ class FSDPWorker(MemoryBudget, Worker):
             replicate_frozen = frozen_weights_fit(frozen, self.compute_dtype, self.device, self.world_size)
         self.model = self._shard(model, replicated=frozen if replicate_frozen else set())
         self._build_optimizer(lr, weight_decay, lr_warmup_steps, lr_decay_steps)
-        packings = ["one row"] if self.attention == "flash_attention_2" else ["shared prompts", "rows"]
+        packings = ["one row"] if self.attention in ("flash_attention_2", VARLEN) else ["shared prompts", "rows"]
         self.layout = next((packing for packing in packings if self.packs and self._packs_exactly(packing)), "padded")
-        if self.flex_from is not None and not self._flex_packs_exactly():
-            self.flex_from = None
+        self.flex_from = None
+        self.set_up_block_masks(micro_batch_tokens)
         if self.rank == 0:
             packs = self.layout != "padded" or not self.packs
             layout = "" if packs else " (this model's attention lets packed sequences see each other)"
             frozen_layout = f", frozen weights: {'replicated' if replicate_frozen else 'sharded'}" if self.lora else ""
             split = f", sequence parallel: {self.sequence_parallel}" if self.sequence_group is not None else ""
-            blocks = "" if self.flex_from is None else f" (block masks from {self.flex_from} tokens wide)"
             print(
                 f"{type(self).__name__}: {self.world_size} x {self.device.type}, compute: {self.compute_dtype}, "
-                f"attention: {self.attention}{blocks}, "
+                f"attention: {self.attention_kernel}, "
                 f"micro-batches: {self.layout}{layout}{frozen_layout}{split}"
             )
 
@@ -139,7 +139,9 @@ class FSDPWorker(MemoryBudget, Worker):
         if not dist.is_initialized():
             dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world_size)
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))  # FSDP shards over every rank
-        self.attention = attention_implementation(self.device) if self.compute_dtype == torch.bfloat16 else "sdpa"
+        self.attention = attention_implementation(self.device, self.compute_dtype)
+        if self.attention == VARLEN:
+            register_varlen()
         self.sequence_parallel, self.sequence_group = sequence_parallel, None
         if sequence_parallel > 1:
             if self.world_size % sequence_parallel:
@@ -241,12 +243,29 @@ class FSDPWorker(MemoryBudget, Worker):
         dist.all_reduce(tensor)
         return (tensor / self.sequence_parallel).tolist()
 
+    @property
+    def attention_kernel(self) -> str:
+        """The attention kernel by name, as the start-up line and the device check say it."""
+        kernels = {"flash_attention_2": "flash-attn (varlen)", VARLEN: "torch varlen (FlashAttention)", FLEX: "sdpa"}
+        blocks = "" if self.flex_from is None else f" (block masks from {self.flex_from} tokens wide)"
+        return kernels.get(self.attention, self.attention) + blocks
+
+    def set_up_block_masks(self, widest: int) -> None:
+        """Block masks for packed rows from flex_from's width on, where this worker's rows may be `widest` tokens wide
+        and its start-up check passes (_flex_packs_exactly); once set up, they stay. A row of packed sequences is at
+        most as wide as the longest one ("rows", "shared prompts" within their segments' share of the rectangle), so
+        setup decides from its micro-batch tokens and fit_micro_batch_tokens again from the longest sequence, whatever
+        setup was given; "one row" (flash kernels) takes no mask at all."""
+        if self.flex_from is not None or self.attention not in (FLEX, ULYSSES) or self.layout == "padded":
+            return
+        width = flex_from(self.device, widest)
+        if width is not None and self._flex_packs_exactly():
+            self.flex_from = width
+
     def _flex_packs_exactly(self) -> bool:
         """Whether the packed micro-batches give the padded outputs through block masks too (_packs_exactly). Where
         they do not, or FlexAttention cannot run here (torch.compile finds no C++ compiler on the CPU, no Triton on
         the GPU, or no kernel fits this model's attention), SDPA keeps the dense mask."""
-        if self.layout == "padded":
-            return False
         try:
             return self._packs_exactly(self.layout, flex_from=0)
         except Exception as error:  # a compiler's failure, raised alike on every rank
@@ -420,17 +439,12 @@ def frozen_weights_fit(frozen: set[torch.nn.Parameter], dtype: torch.dtype, devi
     return size * workers <= machine_memory_bytes() / 4
 
 
-def attention_implementation(device: torch.device) -> str:
-    """flash-attention 2 where its kernel loads and the GPU runs it (Ampere or newer), SDPA otherwise."""
-    from transformers.utils import is_flash_attn_2_available
-
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 8 or not is_flash_attn_2_available():
-        return "sdpa"
-    try:  # the compiled kernel: a build against another torch fails to load here, not at install
-        import flash_attn_2_cuda  # noqa: F401
-    except ImportError:
-        return "sdpa"
-    return "flash_attention_2"
+def attention_implementation(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The attention this machine gives a worker on `device` computing in `dtype` (attention.choose): flash-attn's or
+    PyTorch's varlen FlashAttention on a GPU from Ampere in bf16, SDPA otherwise."""
+    capability = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 0
+    on_gpu = capability >= 8
+    return choose(device.type, capability, dtype, on_gpu and flash_attn_loads(), varlen_kernel() is not None)
 
 
 def lora_model(model, rank: int, alpha: int, target_modules: str, task_type: str, modules_to_save: list[str] | None = None):

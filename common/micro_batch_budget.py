@@ -99,11 +99,13 @@ class MemoryBudget:
             needs = (fixed + optimizer_bytes + per_token * PER_TOKEN_MARGIN * longest) / 2**30
             raise ValueError(self._does_not_fit(longest, f"needs about {needs:.2f} GB"))
         self.micro_batch_tokens = max(longest, int(tokens) // GRANULE * GRANULE)
+        self.set_up_block_masks(longest)  # rows as wide as the longest sequence, whatever setup was told
         if self.rank == 0:
             print(
                 f"{type(self).__name__}: micro-batches of at most {self.micro_batch_tokens} tokens (--micro-batch-tokens "
                 f"auto): an update measured {fixed / 2**30:.2f} GB + {per_token / 2**20:.3f} MB per token, with "
-                f"{optimizer_bytes / 2**30:.2f} GB for the optimiser, within {self.memory_limit / 2**30:.2f} GB a worker",
+                f"{optimizer_bytes / 2**30:.2f} GB for the optimiser, within {self.memory_limit / 2**30:.2f} GB a worker; "
+                f"attention: {self.attention_kernel}",
                 flush=True,
             )
         measured = dict(fixed_bytes=fixed, per_token_bytes=per_token, optimizer_bytes=optimizer_bytes)

@@ -36,8 +36,10 @@ def test_gpu_check_dry_run_prints_its_table(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     table = result.stdout[result.stdout.index("device: CPU") :]
     assert f"torch {torch.__version__}" in table and "attention: sdpa" in table
+    assert "quick start under Ray: not run" in table
     rows = [line for line in table.splitlines() if line.startswith(("| update", "| generate"))]
-    assert len(rows) == 7  # LoRA and full at two micro-batch sizes, generation at three batch sizes
+    # LoRA and full at two micro-batch sizes and packed, generation at three batch sizes, packed with recomputation
+    assert len(rows) == 11 and sum("packed of" in row for row in rows) == 4
     for row in rows:
         tokens_per_s, mfu, peak_gb = (cell.strip() for cell in row.split("|")[2:5])
         assert float(tokens_per_s) > 0 and mfu == "-" and float(peak_gb) > 0  # no bf16 peak on a CPU

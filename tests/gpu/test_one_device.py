@@ -1,6 +1,8 @@
 """The policy worker as --in-process makes it (no Ray), on each device present, against the same computation in fp32
 or padded: bf16 compute over fp32 master weights, packed micro-batches and shared prompts (through dense and block
-masks), LoRA's reference by the disabled adapter, the reference offloaded to host memory, and the peak-memory metric."""
+masks, and on a GPU in one row through PyTorch's varlen kernel), block masks set up once the budget is fitted, LoRA's
+reference by the disabled adapter, the reference offloaded to host memory, the peak-memory metric, and the retry of
+an update out of the GPU's memory."""
 
 from contextlib import contextmanager
 from functools import partial
@@ -11,9 +13,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from test_flex_attention import flex_against_padded
 from test_packing import uneven_batch
+from test_varlen_attention import varlen_against_padded
 
 import grpo_hybrid
-from common.attention import ATTENTION, CPU_WIDTH, GPU_WIDTH
+from common.attention import ATTENTION, CPU_WIDTH, GPU_WIDTH, VARLEN
 from common.dataproto import DataProto
 from common.workers import PolicyWorker, measured
 
@@ -90,8 +93,10 @@ def test_bf16_compute_over_fp32_master_weights(device, tiny_model, prompts):
 def test_packed_micro_batches_and_shared_prompts_give_the_padded_log_probs(device, tiny_model, compute_dtype):
     with policy_on(device, tiny_model, compute_dtype=compute_dtype) as worker:
         batch = uneven_batch(worker.model.config.vocab_size)  # three rows share the prompts of two others
-        # flash-attention's variable-length kernel takes every sequence in one row; SDPA, a prompt and its samples
-        assert worker.layout == ("one row" if worker.attention == "flash_attention_2" else "shared prompts")
+        # flash-attn's or torch's variable-length kernel takes every sequence in one row; SDPA, a prompt and its samples
+        one_row = worker.attention in ("flash_attention_2", VARLEN)
+        assert worker.layout == ("one row" if one_row else "shared prompts")
+        assert one_row == (device == "cuda" and compute_dtype == "bfloat16")  # torch 2.10 and later has the varlen kernel
         packed = worker.compute_log_prob(batch)["old_log_probs"]
         worker.layout = "padded"
         padded = worker.compute_log_prob(batch)["old_log_probs"]
@@ -119,6 +124,36 @@ def test_block_masks_give_the_padded_log_probs_entropies_and_gradients(device, t
         flex = worker.compute_log_prob(batch)["old_log_probs"]
         worker.layout = "padded"
         torch.testing.assert_close(flex, worker.compute_log_prob(batch)["old_log_probs"], rtol=1e-5, atol=1e-5)
+
+
+def test_one_row_through_torchs_varlen_kernel_gives_the_padded_log_probs_entropies_and_gradients(device, tiny_model):
+    """PyTorch's FlashAttention varlen kernel in bf16 (the tiny model's two query heads share one key head) against
+    SDPA over the padded micro-batch in bf16."""
+    if device != "cuda":
+        pytest.skip("the varlen kernel runs on CUDA only: tests/test_varlen_attention.py checks the CPU's fallback")
+    padded, varlen = varlen_against_padded(tiny_model, device, torch.bfloat16)
+    mask = padded[0] < 0
+    # Two bf16 computations (8 bits of mantissa) that differ in their attention kernel: a log-prob or an entropy moves
+    # by a few hundredths at most; attention across sequences would move them by whole units.
+    for padded_values, varlen_values in zip(padded[:2], varlen[:2]):
+        gap = (varlen_values - padded_values)[mask].abs()
+        assert gap.mean() < 0.02 and gap.max() < 0.15
+    for name, gradient in padded[2].items():  # the same rounding, summed over every token: within a few percent
+        assert (varlen[2][name] - gradient).norm() <= 0.05 * gradient.norm() + 1e-6, name
+
+
+def test_block_masks_are_set_up_once_the_budget_is_fitted(device, tiny_model):
+    """A worker set up without a token budget (as a run of --micro-batch-tokens auto may set it up) decides on block
+    masks again once fit_micro_batch_tokens knows its longest sequence: a row of packed sequences is no wider than
+    that one (one row per micro-batch only where a flash kernel takes it, without a mask), so a budget past the
+    block-mask width with shorter sequences sets none up, and sequences of that width do."""
+    width = GPU_WIDTH if device == "cuda" else CPU_WIDTH
+    with policy_on(device, tiny_model, compute_dtype="float32") as worker:
+        assert worker.attention == ATTENTION and worker.flex_from is None
+        worker.keep_memory_within(0.5, 1)
+        assert worker.fit_micro_batch_tokens(64, width // 2 - 64)["tokens"] >= width and worker.flex_from is None
+        assert worker.fit_micro_batch_tokens(64, width - 64)["tokens"] >= width and worker.flex_from == width
+        assert "block masks from" in worker.attention_kernel
 
 
 def test_lora_reference_is_the_base_model_with_its_adapter_disabled(device, tiny_model, prompts):
