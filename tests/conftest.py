@@ -1,4 +1,5 @@
-"""One Ray instance and one built tiny model, shared by every test that needs them."""
+"""One Ray instance and one built tiny model, shared by every test that needs them (the helpers that are not fixtures:
+helpers.py)."""
 
 import os
 import sys
@@ -73,3 +74,20 @@ def smollm2(demo_files):
         return prepare("smollm2")
     except ValueError as error:
         pytest.fail(f"{error} (the real-model tests need it; .ci/run installs it)")
+
+
+@pytest.fixture(scope="session")
+def reward_model(tiny_model, tmp_path_factory):
+    """A tiny sequence-classification model on the demo's characters, with a chat template of its own (the policy's
+    tokenizer has none), saved as a model folder."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
+
+    folder = tmp_path_factory.mktemp("reward_model")
+    config = Qwen2Config.from_pretrained(tiny_model, num_labels=1)
+    torch.manual_seed(0)
+    Qwen2ForSequenceClassification(config).save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.chat_template = "{% for m in messages %}[{{ m['role'][0] }}]{{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(folder)
+    return str(folder)

@@ -10,8 +10,7 @@ import ppo_hybrid
 from common.data import collate, load_prompts
 from common.worker_group import WorkerGroup
 from common.workers import PolicyWorker
-from helpers import assert_same_adamw_steps
-from test_workers import CriticProbe
+from helpers import CriticProbe, assert_same_adamw_steps
 
 cloudpickle.register_pickle_by_value(ppo_hybrid)
 INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")

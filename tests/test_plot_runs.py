@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from test_scripts import SMALL_RUN, metrics_of, run_script
+from helpers import SMALL_RUN, metrics_of, run_script
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from plot_runs import curves, load_run, plot  # noqa: E402

@@ -5,7 +5,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 import torch
-from test_scripts import SMALL_RUN, metrics_of, run_script
+from helpers import SMALL_RUN, metrics_of, run_script
 
 from common.reward_model import combine, conversation_text, render_conversations, reward_model_batch
 from common.worker_group import WorkerGroup
@@ -13,22 +13,6 @@ from common.workers import RewardModelWorker
 
 MESSAGES = [[{"role": "user", "content": f"{a}+{b}="}] for a, b in [(3, 4), (1, 2), (9, 9), (0, 5), (7, 1)]]
 RESPONSES = ["7", "3;maybe", "", "x" * 12, "8"]
-
-
-@pytest.fixture(scope="module")
-def reward_model(tiny_model, tmp_path_factory):
-    """A tiny sequence-classification model on the demo's characters, with a chat template of its own (the policy's
-    tokenizer has none), saved as a model folder."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
-
-    folder = tmp_path_factory.mktemp("reward_model")
-    config = Qwen2Config.from_pretrained(tiny_model, num_labels=1)
-    torch.manual_seed(0)
-    Qwen2ForSequenceClassification(config).save_pretrained(folder)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    tokenizer.chat_template = "{% for m in messages %}[{{ m['role'][0] }}]{{ m['content'] }}{% endfor %}"
-    tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 def test_a_conversation_is_rendered_by_the_reward_models_own_template(reward_model, tokenizer):

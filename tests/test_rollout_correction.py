@@ -18,7 +18,7 @@ from grpo_hybrid import (
     rollout_log_ratio,
     rollout_rejection,
 )
-from test_scripts import run_script
+from helpers import run_script
 
 from common.update_metrics import ROLLOUT_CORR, accumulate
 

@@ -8,21 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from helpers import SMALL_RUN, VLLM_FP32, metrics_of, run_script
+
 ROOT = Path(__file__).resolve().parents[1]
-SMALL_RUN = [
-    "--total-steps",
-    "2",
-    "--train-batch-size",
-    "8",
-    "--mini-batch-size",
-    "4",
-    "--n",
-    "4",
-    "--test-freq",
-    "1",
-    "--num-workers",
-    "2",
-]
 SHARED_METRICS = [
     "train/reward_mean",
     "val/accuracy",
@@ -62,22 +50,6 @@ SHARED_METRICS = [
 ]
 
 
-def run_script(script, *flags, cwd, env=None):
-    return subprocess.run(
-        [sys.executable, str(ROOT / "algos" / script), *flags],
-        cwd=cwd,
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
-def metrics_of(cwd):
-    [run_dir] = (Path(cwd) / "runs").iterdir()
-    return run_dir, [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 ALGORITHM_METRICS = {
     "grpo": ["actor/kl"],
     "ppo": [
@@ -103,7 +75,6 @@ ALGORITHM_METRICS = {
 
 
 LORA = ["--lora-rank", "8", "--lora-alpha", "16", "--lr", "1e-2"]
-VLLM_FP32 = ["--rollout-engine", "vllm", "--rollout-dtype", "float32"]  # the trainer's precision on the CPU
 
 
 @pytest.mark.parametrize(

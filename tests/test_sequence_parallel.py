@@ -17,8 +17,7 @@ from common.attention import CPU_WIDTH
 from common.dataproto import DataProto
 from common.sequence_parallel import check_heads, head_shares
 from common.worker_group import ResourcePool, WorkerGroup
-from helpers import assert_same_adamw_steps
-from test_workers import CriticProbe, PolicyProbe
+from helpers import CriticProbe, PolicyProbe, assert_same_adamw_steps
 
 cloudpickle.register_pickle_by_value(grpo_hybrid)
 cloudpickle.register_pickle_by_value(ppo_hybrid)
