@@ -4,13 +4,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from helpers import SMALL_RUN, VLLM_FP32, metrics_of, run_script
+from helpers import ROOT, SMALL_RUN, VLLM_FP32, metrics_of, run_script, stop_in_process
 
-ROOT = Path(__file__).resolve().parents[1]
 SHARED_METRICS = [
     "train/reward_mean",
     "val/accuracy",
@@ -205,11 +203,10 @@ def test_dapo_dynamic_sampling_bound_is_a_clear_error(ray_cluster, demo_files, t
     assert "Raise --max-gen-batches" in result.stderr
 
 
-def test_dapo_overlong_buffer_must_fit_in_the_limit(demo_files, tmp_path):
-    result = run_script("dapo_hybrid.py", "--overlong-buffer-length", "4", cwd=tmp_path)  # the demo's limit is 4 tokens
-    assert result.returncode != 0
-    assert "--overlong-buffer-length 4 with --max-response-length 4: the buffer is the last part of the limit" in result.stderr
-    assert "PolicyWorker" not in result.stderr
+def test_dapo_overlong_buffer_must_fit_in_the_limit(demo_files, tmp_path, monkeypatch):
+    stop = stop_in_process("dapo_hybrid.py", "--overlong-buffer-length", "4", cwd=tmp_path, monkeypatch=monkeypatch)
+    assert "--overlong-buffer-length 4 with --max-response-length 4: the buffer is the last part of the limit" in stop
+    assert "PolicyWorker" not in stop  # the demo's limit is 4 tokens
 
 
 def test_grpo_tracks_to_wandb_offline_with_the_rewards_own_keys(ray_cluster, demo_files, tmp_path):
@@ -235,28 +232,25 @@ def test_grpo_tracks_to_wandb_offline_with_the_rewards_own_keys(ray_cluster, dem
         assert {"exact", "length", "verdict", "score"} <= set(json.loads(table.read_text())["columns"])
 
 
-def test_malformed_data_stops_before_any_worker(demo_files, tmp_path):
+def test_malformed_data_stops_before_any_worker(demo_files, tmp_path, monkeypatch):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1="}], "data_source": "addition"}) + "\n")
-    result = run_script("grpo_hybrid.py", "--model-path", demo_files[0], "--train-files", str(bad), cwd=tmp_path)
-    assert result.returncode != 0
-    assert "bad.jsonl, row 0: field 'reward_model'" in result.stderr
-    assert "PolicyWorker" not in result.stderr
+    flags = ["--model-path", demo_files[0], "--train-files", str(bad)]
+    stop = stop_in_process("grpo_hybrid.py", *flags, cwd=tmp_path, monkeypatch=monkeypatch)
+    assert "bad.jsonl, row 0: field 'reward_model'" in stop
+    assert "PolicyWorker" not in stop
 
 
-def test_an_env_that_does_not_load_stops_before_any_worker(demo_files, tmp_path):
+def test_an_env_that_does_not_load_stops_before_any_worker(demo_files, tmp_path, monkeypatch):
     model, train, _ = demo_files
     flags = ["--model-path", model, "--train-files", train, "--env", "nowhere.py:Env"]
-    result = run_script("grpo_hybrid.py", *flags, cwd=tmp_path)
-    assert result.returncode != 0
-    assert "--env 'nowhere.py:Env': no file nowhere.py" in result.stderr
-    assert "PolicyWorker" not in result.stderr
+    stop = stop_in_process("grpo_hybrid.py", *flags, cwd=tmp_path, monkeypatch=monkeypatch)
+    assert "--env 'nowhere.py:Env': no file nowhere.py" in stop
+    assert "PolicyWorker" not in stop
 
 
-def test_indivisible_batch_stops_before_any_worker(demo_files, tmp_path):
-    result = run_script(
-        "grpo_hybrid.py", "--num-workers", "3", "--train-batch-size", "4", "--mini-batch-size", "4", "--n", "2", cwd=tmp_path
-    )
-    assert result.returncode != 0
-    assert "does not split evenly over --num-workers 3" in result.stderr
-    assert "PolicyWorker" not in result.stderr
+def test_indivisible_batch_stops_before_any_worker(demo_files, tmp_path, monkeypatch):
+    flags = ["--num-workers", "3", "--train-batch-size", "4", "--mini-batch-size", "4", "--n", "2"]
+    stop = stop_in_process("grpo_hybrid.py", *flags, cwd=tmp_path, monkeypatch=monkeypatch)
+    assert "does not split evenly over --num-workers 3" in stop
+    assert "PolicyWorker" not in stop
