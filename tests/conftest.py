@@ -91,3 +91,17 @@ def reward_model(tiny_model, tmp_path_factory):
     tokenizer.chat_template = "{% for m in messages %}[{{ m['role'][0] }}]{{ m['content'] }}{% endfor %}"
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture(scope="session")
+def in_process_run(demo_files, tmp_path_factory):
+    """Two steps of grpo_hybrid.py --in-process on one worker, seed 1, on one thread as a Ray actor with one CPU computes
+    (test_scripts.py compares it with a Ray worker's run, test_plot_runs.py draws it): its process's result and run
+    folder."""
+    from helpers import SMALL_RUN, metrics_of, run_script
+
+    folder = tmp_path_factory.mktemp("in_process")
+    flags = [*SMALL_RUN[:-2], "--num-workers", "1", "--in-process"]
+    result = run_script("grpo_hybrid.py", *flags, cwd=folder, env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result, metrics_of(folder)[0]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, SMALL_RUN, VLLM_FP32, metrics_of, run_script, stop_in_process
+from helpers import ROOT, SMALL_RUN, VLLM_FP32, metric_rows, metrics_of, run_script, stop_in_process
 
 SHARED_METRICS = [
     "train/reward_mean",
@@ -150,22 +150,16 @@ def test_multi_turn_episodes_with_the_calculator(ray_cluster, demo_files, tmp_pa
         assert row["rollout/logprob_diff_max"] < 1e-4 and "val/accuracy/multiplication" in row
 
 
-def test_in_process_trains_as_one_ray_worker_does(ray_cluster, demo_files, tmp_path):
+def test_in_process_trains_as_one_ray_worker_does(ray_cluster, in_process_run, tmp_path):
     """--in-process: the worker runs inside the driver's process, so breakpoint() in a loss, a reward or a worker
     stops in the user's terminal. Two steps give the metrics that one Ray worker gives."""
-    flags = [*SMALL_RUN[:-2], "--num-workers", "1"]
-    (tmp_path / "ray").mkdir()
-    (tmp_path / "in_process").mkdir()
-    under_ray = run_script("grpo_hybrid.py", *flags, cwd=tmp_path / "ray")
+    under_ray = run_script("grpo_hybrid.py", *SMALL_RUN[:-2], "--num-workers", "1", cwd=tmp_path)
     assert under_ray.returncode == 0, under_ray.stderr[-3000:]
-    # A Ray actor with one CPU computes on one thread; so does this process, so that sums round alike.
-    in_process = run_script(
-        "grpo_hybrid.py", *flags, "--in-process", cwd=tmp_path / "in_process", env={"OMP_NUM_THREADS": "1"}
-    )
-    assert in_process.returncode == 0, in_process.stderr[-3000:]
+    # A Ray actor with one CPU computes on one thread; so does the in-process run, so that sums round alike.
+    in_process, in_process_dir = in_process_run
     assert "(PolicyWorker pid=" in under_ray.stderr and "(PolicyWorker pid=" not in in_process.stderr  # no actor
-    _, rows_under_ray = metrics_of(tmp_path / "ray")
-    _, rows_in_process = metrics_of(tmp_path / "in_process")
+    _, rows_under_ray = metrics_of(tmp_path)
+    rows_in_process = metric_rows(in_process_dir)
     training = [
         {k: v for k, v in row.items() if not k.startswith(("timing/", "perf/")) and "memory" not in k and k != "wall_time"}
         for row in rows_under_ray
