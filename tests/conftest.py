@@ -1,4 +1,5 @@
-"""One Ray instance and one built tiny model, shared by every test that needs them."""
+"""One Ray instance and one built tiny model, shared by every test that needs them (the helpers that are not fixtures:
+helpers.py)."""
 
 import os
 import sys
@@ -73,3 +74,34 @@ def smollm2(demo_files):
         return prepare("smollm2")
     except ValueError as error:
         pytest.fail(f"{error} (the real-model tests need it; .ci/run installs it)")
+
+
+@pytest.fixture(scope="session")
+def reward_model(tiny_model, tmp_path_factory):
+    """A tiny sequence-classification model on the demo's characters, with a chat template of its own (the policy's
+    tokenizer has none), saved as a model folder."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
+
+    folder = tmp_path_factory.mktemp("reward_model")
+    config = Qwen2Config.from_pretrained(tiny_model, num_labels=1)
+    torch.manual_seed(0)
+    Qwen2ForSequenceClassification(config).save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.chat_template = "{% for m in messages %}[{{ m['role'][0] }}]{{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def in_process_run(demo_files, tmp_path_factory):
+    """Two steps of grpo_hybrid.py --in-process on one worker, seed 1, on one thread as a Ray actor with one CPU computes
+    (test_scripts.py compares it with a Ray worker's run, test_plot_runs.py draws it): its process's result and run
+    folder."""
+    from helpers import SMALL_RUN, metrics_of, run_script
+
+    folder = tmp_path_factory.mktemp("in_process")
+    flags = [*SMALL_RUN[:-2], "--num-workers", "1", "--in-process"]
+    result = run_script("grpo_hybrid.py", *flags, cwd=folder, env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result, metrics_of(folder)[0]

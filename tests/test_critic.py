@@ -10,7 +10,7 @@ import ppo_hybrid
 from common.data import collate, load_prompts
 from common.worker_group import WorkerGroup
 from common.workers import PolicyWorker
-from test_workers import CriticProbe
+from helpers import CriticProbe, assert_same_adamw_steps
 
 cloudpickle.register_pickle_by_value(ppo_hybrid)
 INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
@@ -44,11 +44,12 @@ def test_critic_values_and_update_match_one_process(cpu_pool, tiny_model, demo_f
         per_rank = critic.scatter("update", inputs, loss_fn=loss_fn)
         assert per_rank[0]["loss"] == pytest.approx(loss.item(), rel=1e-4)
         assert per_rank[0]["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
+        gradients = {name: p.grad.clone() for name, p in model.named_parameters()}
         torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0).step()
         rank0, rank1 = critic.broadcast("full_state_dict")
         for name, value in rank0.items():
             assert torch.equal(value, rank1[name])
-            torch.testing.assert_close(value, model.state_dict()[name], rtol=1e-5, atol=1e-5)
+        assert_same_adamw_steps(rank0, model.state_dict(), [gradients], lr=1e-3, atol=1e-5)
     finally:
         policy.shutdown()
         critic.shutdown()

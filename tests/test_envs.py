@@ -12,10 +12,10 @@ from ray import cloudpickle
 
 from common.data import collate
 from common.dataproto import DataProto
-from common.envs import ENV_CALLS, AnswerFraming, Calculator, call_env, load_env, run_episodes, stop_end
+from common.envs import ENV_CALLS, AnswerFraming, Calculator, call_env, load_env, stop_end
 from common.isolation import REPORTED_FAILURES, CallProcesses, InProcessCalls
 from common.worker_group import WorkerGroup
-from test_workers import LOG_PROB_INPUTS, PolicyProbe
+from helpers import LOG_PROB_INPUTS, PolicyProbe, play, turns_of
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -55,8 +55,6 @@ class Unpicklable:
         return "more;"
 '''
 
-SAMPLING = dict(do_sample=True, top_p=1.0, top_k=0)
-
 
 @pytest.fixture(scope="module")
 def policy(cpu_pool, tiny_model):
@@ -75,26 +73,6 @@ def env_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def eos(tokenizer):
     return [tokenizer.eos_token_id]
-
-
-def play(policy, prompts, env_calls, env_cls, tokenizer, eos, max_turns=3, max_response_length=12, n=4):
-    batch = prompts.repeat(n, interleave=True)
-    stop_strings = list(getattr(env_cls, "stop_strings", []))
-    return batch | run_episodes(
-        policy, batch, env_calls, stop_strings, tokenizer, eos, max_turns, max_response_length, SAMPLING
-    )
-
-
-def turns_of(mask: torch.Tensor) -> list[tuple[int, int]]:
-    """(start, end) of each run of the model's tokens."""
-    spans, start = [], None
-    for t, own in enumerate(mask.tolist() + [0.0]):
-        if own and start is None:
-            start = t
-        if not own and start is not None:
-            spans.append((start, t))
-            start = None
-    return spans
 
 
 def turn_by_turn_log_probs(policy, batch, tokenizer) -> list[torch.Tensor]:

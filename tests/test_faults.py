@@ -18,8 +18,7 @@ from safetensors.torch import load_file
 
 from common.checkpoint import complete_checkpoints
 from common.worker_group import Worker, WorkerDied, WorkerGroup
-from test_long_runs import comparable, metric_rows, run_script, start_script, wait_for_steps
-from test_reward_model import reward_model  # noqa: F401 (a fixture)
+from helpers import TINY, comparable, metric_rows, run_script, start_script, wait_for_steps
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Peers' workers have no tests folder to import from
 
@@ -30,8 +29,8 @@ ASYNC = ["--num-workers", "1", "--rollout-workers", "1", "--rollout-engine", "hf
 
 def run_to_the_end(folder, algo: str, *flags):
     """The metrics and the exported weights of the run that the interrupted ones must end up as."""
-    code, _, stderr = run_script(*STEPS, *flags, cwd=folder, algo=algo)
-    assert code == 0, stderr[-3000:]
+    result = run_script(f"{algo}_hybrid.py", *TINY, *STEPS, *flags, cwd=folder)
+    assert result.returncode == 0, result.stderr[-3000:]
     [run_dir] = (folder / "runs").iterdir()
     return metric_rows(run_dir), load_file(run_dir / "model" / "model.safetensors")
 
@@ -139,7 +138,7 @@ def killed_and_resumed(tmp_path, uninterrupted, group: str, actor: str, method: 
     """After the run's first step, kill a worker of `group` (its class `actor`) as it runs `method` (see kill_when); the
     message must name the group and the method (any, with None), and the command it gives continue to `uninterrupted`."""
     started = time.time()
-    process = start_script(*STEPS, *flags, cwd=tmp_path, algo=algo)
+    process = start_script(f"{algo}_hybrid.py", *TINY, *STEPS, *flags, cwd=tmp_path)
     wait_for_steps(tmp_path, 1, process)
     kill_when(started, process, actor, method)
     _, stderr = process.communicate(timeout=120)
@@ -175,7 +174,9 @@ def test_a_killed_rollout_worker_names_it_and_leaves_the_checkpoint_whole(ray_cl
     batches generated before go on feeding steps until the next weights are due; the resumed run generates again from
     the checkpoint's data position, so its samples are not the uninterrupted run's."""
     started = time.time()
-    process = start_script(*ASYNC, "--total-steps", "12", "--save-freq", "1", "--keep-last", "1", cwd=tmp_path)
+    process = start_script(
+        "grpo_hybrid.py", *TINY, *ASYNC, "--total-steps", "12", "--save-freq", "1", "--keep-last", "1", cwd=tmp_path
+    )
     run_dir = wait_for_steps(tmp_path, 1, process)
     kill_when(started, process, "RolloutWorker", method)
     _, stderr = process.communicate(timeout=120)
@@ -194,7 +195,7 @@ def test_a_killed_rollout_worker_names_it_and_leaves_the_checkpoint_whole(ray_cl
 
 def test_a_killed_driver_leaves_no_worker_and_resumes(uninterrupted, tmp_path):
     started = time.time()
-    process = start_script(*STEPS, cwd=tmp_path)
+    process = start_script("grpo_hybrid.py", *TINY, *STEPS, cwd=tmp_path)
     wait_for_steps(tmp_path, 2, process)
     workers = ray_workers(started)
     assert workers
@@ -207,7 +208,7 @@ def test_a_killed_driver_leaves_no_worker_and_resumes(uninterrupted, tmp_path):
 
 
 def test_ctrl_c_twice_stops_at_once_and_resumes(uninterrupted, tmp_path):
-    process = start_script(*STEPS, cwd=tmp_path)
+    process = start_script("grpo_hybrid.py", *TINY, *STEPS, cwd=tmp_path)
     wait_for_steps(tmp_path, 1, process)
     os.killpg(process.pid, signal.SIGINT)
     # The second Ctrl-C once the run says it heard the first, as a user presses it: two that reach the driver while a
@@ -235,16 +236,16 @@ def small_disk(tmp_path):
 
 def test_a_full_disk_keeps_the_previous_checkpoint(uninterrupted, small_disk):
     # --keep-last 1: the disk holds one checkpoint and the metrics, not a second checkpoint beside them
-    code, _, stderr = run_script(*STEPS, cwd=small_disk)
-    assert code != 0
+    result = run_script("grpo_hybrid.py", *TINY, *STEPS, cwd=small_disk)
+    assert result.returncode != 0
     # the writer's own error need not say the disk is full (torch.save's zip writer: "unexpected pos"): the space does
-    written = re.search(r"the checkpoint of step \d+ could not be written \(([\d.]+) MB free on the disk of ", stderr)
-    assert written and float(written[1]) < 1.4, stderr[-3000:]
+    written = re.search(r"the checkpoint of step \d+ could not be written \(([\d.]+) MB free on the disk of ", result.stderr)
+    assert written and float(written[1]) < 1.4, result.stderr[-3000:]
     [run_dir] = (small_disk / "runs").iterdir()
     assert len(complete_checkpoints(run_dir)) == 1
     assert not list((run_dir / "checkpoints").glob(".*"))  # the half-written one is gone
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)  # the user frees space
-    continue_as_told(stderr, small_disk, uninterrupted)
+    continue_as_told(result.stderr, small_disk, uninterrupted)
 
 
 def test_a_host_short_of_memory_stops_the_run_through_rays_memory_monitor_and_it_resumes(uninterrupted, tmp_path, monkeypatch):
@@ -259,7 +260,7 @@ def test_a_host_short_of_memory_stops_the_run_through_rays_memory_monitor_and_it
     monkeypatch.setenv("RAY_memory_usage_threshold", f"{threshold:.4f}")
     monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "100")
     started = time.time()
-    process = start_script(*STEPS, cwd=tmp_path)
+    process = start_script("grpo_hybrid.py", *TINY, *STEPS, cwd=tmp_path)
     monkeypatch.undo()
     wait_for_steps(tmp_path, 1, process)
     workers = [p for p in ray_workers(started) if "PolicyWorker" in title_of(p)]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from test_scripts import SMALL_RUN, metrics_of, run_script
+from helpers import SMALL_RUN, metrics_of, run_script, stop_in_process
 
 from common.data import collate
 from common.dataproto import DataProto
@@ -191,7 +191,7 @@ def test_a_judge_that_gives_no_verdict_is_counted_then_stops_the_run(ray_cluster
     )
 
 
-def test_judge_flags_that_do_not_fit_stop_before_any_worker(demo_files, tmp_path):
+def test_judge_flags_that_do_not_fit_stop_before_any_worker(demo_files, tmp_path, monkeypatch):
     (tmp_path / "blind.txt").write_text("Is {prompt} hard? Answer Yes or No.")
     cases = [
         (["--judge-model", demo_files[0], "--judge-template", str(tmp_path / "blind.txt")], "has no {response}"),
@@ -213,6 +213,5 @@ def test_judge_flags_that_do_not_fit_stop_before_any_worker(demo_files, tmp_path
         ),
     ]
     for flags, message in cases:
-        result = run_script("grpo_hybrid.py", *flags, cwd=tmp_path)
-        assert result.returncode != 0 and message in result.stderr, (flags, result.stderr[-2000:])
-        assert "PolicyWorker" not in result.stderr
+        stop = stop_in_process("grpo_hybrid.py", *flags, cwd=tmp_path, monkeypatch=monkeypatch)
+        assert message in stop and "PolicyWorker" not in stop, (flags, stop[-2000:])

@@ -19,52 +19,7 @@ from common.isolation import InProcessCalls
 from common.rewards import REWARD_CALLS, score
 from common.worker_group import WorkerDied, WorkerGroup
 from common.workers import PolicyWorker
-from test_workers import PolicyProbe
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--train-batch-size", "8", "--mini-batch-size", "4", "--n", "4", "--test-freq", "100", "--no-val-before-train"]
-
-
-def start_script(*flags, cwd, algo="grpo"):
-    # A session of its own, as a command typed in a terminal has: Ctrl-C reaches its whole process group.
-    return subprocess.Popen(
-        [sys.executable, str(ROOT / "algos" / f"{algo}_hybrid.py"), *TINY, *flags],
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def run_script(*flags, cwd, algo="grpo"):
-    process = start_script(*flags, cwd=cwd, algo=algo)
-    stdout, stderr = process.communicate(timeout=600)
-    return process.returncode, stdout, stderr
-
-
-def metric_rows(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def comparable(row):
-    """Training metrics: not times, and not validation (the shorter run validates at its last step)."""
-    return {
-        k: v
-        for k, v in row.items()
-        if not k.startswith(("timing/", "perf/", "val/")) and not k.endswith("peak_memory_gb") and k != "wall_time"
-    }
-
-
-def wait_for_steps(run_root: Path, steps: int, process, timeout=300):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        files = list(run_root.glob("runs/*/metrics.jsonl"))
-        if files and len(files[0].read_text().splitlines()) >= steps:
-            return files[0].parent
-        assert process.poll() is None, process.communicate()[1][-3000:]
-        time.sleep(0.2)
-    raise TimeoutError
+from helpers import ROOT, TINY, PolicyProbe, comparable, metric_rows, run_script, start_script, stop_in_process, wait_for_steps
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo", "dapo"])
@@ -72,23 +27,34 @@ def test_resumed_run_repeats_an_uninterrupted_one_step_for_step(ray_cluster, dem
     # The demo's cosine learning rate follows --total-steps, which the interrupted run raises from 2 to 4.
     constant_lr = ["--lr-schedule", "constant"]
     (tmp_path / "straight").mkdir()
-    code, _, stderr = run_script(
-        "--total-steps", "4", "--save-freq", "1", "--keep-last", "2", *constant_lr, cwd=tmp_path / "straight", algo=algo
+    result = run_script(
+        f"{algo}_hybrid.py",
+        *TINY,
+        "--total-steps",
+        "4",
+        "--save-freq",
+        "1",
+        "--keep-last",
+        "2",
+        *constant_lr,
+        cwd=tmp_path / "straight",
     )
-    assert code == 0, stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-3000:]
     [straight] = (tmp_path / "straight" / "runs").iterdir()
     assert [c.name for c in complete_checkpoints(straight)] == ["step_3", "step_4"]
     assert not list((straight / "checkpoints").glob(".*partial"))
 
     (tmp_path / "resumed").mkdir()
-    code, _, stderr = run_script("--total-steps", "2", "--save-freq", "2", *constant_lr, cwd=tmp_path / "resumed", algo=algo)
-    assert code == 0, stderr[-3000:]
+    result = run_script(
+        f"{algo}_hybrid.py", *TINY, "--total-steps", "2", "--save-freq", "2", *constant_lr, cwd=tmp_path / "resumed"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
     # a flag marked resumable may change: DAPO's advice when dynamic sampling runs out is to raise --max-gen-batches
     raised = ["--max-gen-batches", "20"] if algo == "dapo" else []
     flags = ["--total-steps", "4", "--save-freq", "2", "--resume", "auto", *constant_lr, *raised]
-    code, stdout, stderr = run_script(*flags, cwd=tmp_path / "resumed", algo=algo)
-    assert code == 0, stderr[-3000:]
-    assert "resumed from" in stdout
+    result = run_script(f"{algo}_hybrid.py", *TINY, *flags, cwd=tmp_path / "resumed")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout
     [resumed] = (tmp_path / "resumed" / "runs").iterdir()
     assert [r["step"] for r in metric_rows(resumed)] == [1, 2, 3, 4]
     assert [comparable(r) for r in metric_rows(resumed)] == [comparable(r) for r in metric_rows(straight)]
@@ -96,7 +62,7 @@ def test_resumed_run_repeats_an_uninterrupted_one_step_for_step(ray_cluster, dem
 
 @pytest.mark.parametrize("stop", ["sigterm", "ctrl-c"])
 def test_a_signal_saves_a_checkpoint_that_resumes(ray_cluster, demo_files, tmp_path, stop):
-    process = start_script("--total-steps", "500", "--save-freq", "1000", cwd=tmp_path)
+    process = start_script("grpo_hybrid.py", *TINY, "--total-steps", "500", "--save-freq", "1000", cwd=tmp_path)
     run_dir = wait_for_steps(tmp_path, 2, process)
     if stop == "sigterm":
         process.send_signal(signal.SIGTERM)
@@ -108,28 +74,30 @@ def test_a_signal_saves_a_checkpoint_that_resumes(ray_cluster, demo_files, tmp_p
     step = int(checkpoint.name.removeprefix("step_"))
     assert 2 <= step < 500
     assert [r["step"] for r in metric_rows(run_dir)][-1] == step
-    code, stdout, stderr = run_script("--total-steps", str(step + 1), "--save-freq", "1000", "--resume", "auto", cwd=tmp_path)
-    assert code == 0, stderr[-3000:]
-    assert f"runs/{run_dir.name}/checkpoints/step_{step}" in stdout
+    result = run_script(
+        "grpo_hybrid.py", *TINY, "--total-steps", str(step + 1), "--save-freq", "1000", "--resume", "auto", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"runs/{run_dir.name}/checkpoints/step_{step}" in result.stdout
     assert [r["step"] for r in metric_rows(run_dir)][-1] == step + 1
 
 
 def test_other_config_is_refused_unless_forced_and_export_adapter_only(ray_cluster, demo_files, tmp_path):
     lora = ["--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2"]
-    code, _, stderr = run_script("--total-steps", "1", *lora, "--export-adapter-only", cwd=tmp_path)
-    assert code == 0, stderr[-3000:]
+    result = run_script("grpo_hybrid.py", *TINY, "--total-steps", "1", *lora, "--export-adapter-only", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
     [run_dir] = (tmp_path / "runs").iterdir()
     assert (run_dir / "model" / "adapter_config.json").exists()
 
-    code, _, stderr = run_script("--total-steps", "2", *lora[:-1], "5e-3", "--resume", "auto", cwd=tmp_path)
-    assert code != 0
-    assert "was made with other settings (lr: 0.01 -> 0.005)" in stderr and "--force-resume" in stderr
-    assert "PolicyWorker" not in stderr
+    result = run_script("grpo_hybrid.py", *TINY, "--total-steps", "2", *lora[:-1], "5e-3", "--resume", "auto", cwd=tmp_path)
+    assert result.returncode != 0
+    assert "was made with other settings (lr: 0.01 -> 0.005)" in result.stderr and "--force-resume" in result.stderr
+    assert "PolicyWorker" not in result.stderr
 
-    code, stdout, stderr = run_script(
-        "--total-steps", "2", *lora[:-1], "5e-3", "--resume", "auto", "--force-resume", cwd=tmp_path
+    result = run_script(
+        "grpo_hybrid.py", *TINY, "--total-steps", "2", *lora[:-1], "5e-3", "--resume", "auto", "--force-resume", cwd=tmp_path
     )
-    assert code == 0, stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-3000:]
     from transformers import AutoModelForCausalLM
 
     merged = AutoModelForCausalLM.from_pretrained(run_dir / "model")
@@ -141,10 +109,22 @@ def test_exported_model_is_the_trained_policy(ray_cluster, demo_files, tmp_path)
     """The merged export reproduces the policy's greedy answers on the held-out problems."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    code, _, stderr = run_script(
-        "--total-steps", "3", "--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2", "--test-freq", "3", cwd=tmp_path
+    result = run_script(
+        "grpo_hybrid.py",
+        *TINY,
+        "--total-steps",
+        "3",
+        "--lora-rank",
+        "4",
+        "--lora-alpha",
+        "8",
+        "--lr",
+        "1e-2",
+        "--test-freq",
+        "3",
+        cwd=tmp_path,
     )
-    assert code == 0, stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-3000:]
     [run_dir] = (tmp_path / "runs").iterdir()
     samples = [json.loads(line) for line in (run_dir / "validation" / "step_3.jsonl").read_text().splitlines()]
     model, tokenizer = (
@@ -158,9 +138,13 @@ def test_exported_model_is_the_trained_policy(ray_cluster, demo_files, tmp_path)
 
 
 def test_nan_gradients_skip_updates_then_stop_the_run(ray_cluster, demo_files, tmp_path):
-    code, _, stderr = run_script("--total-steps", "10", "--max-bad-steps", "2", "--entropy-coef", "nan", cwd=tmp_path)
-    assert code != 0
-    assert "2 steps in a row had NaN or inf gradients; their updates were skipped, so no weights are corrupted" in stderr
+    result = run_script(
+        "grpo_hybrid.py", *TINY, "--total-steps", "10", "--max-bad-steps", "2", "--entropy-coef", "nan", cwd=tmp_path
+    )
+    assert result.returncode != 0
+    assert (
+        "2 steps in a row had NaN or inf gradients; their updates were skipped, so no weights are corrupted" in result.stderr
+    )
     [run_dir] = (tmp_path / "runs").iterdir()
     assert [r["actor/skipped_updates"] for r in metric_rows(run_dir)] == [2.0, 2.0]  # both mini-batches of both steps
 
@@ -179,11 +163,15 @@ def test_nan_gradients_skip_updates_then_stop_the_run(ray_cluster, demo_files, t
 def test_a_reward_broken_for_every_sample_stops_at_the_first_step(ray_cluster, demo_files, tmp_path, body, failure):
     (tmp_path / "broken.py").write_text(f"def score(data_source, solution_str, ground_truth, extra_info):\n    {body}\n")
     flags = ["--total-steps", "3", "--reward-fn", f"{tmp_path}/broken.py:score", "--reward-workers", "2"]
-    code, _, stderr = run_script(*flags, cwd=tmp_path)
-    assert code != 0
-    assert "the reward function failed for 32 of 32 samples, more than --max-reward-error-share 0.5 allows" in stderr
-    assert "for data_source 'addition', ground_truth" in stderr and failure in stderr
-    assert f"(the reward: {tmp_path}/broken.py:score)" in stderr and "prompt '" in stderr and "response '" in stderr
+    result = run_script("grpo_hybrid.py", *TINY, *flags, cwd=tmp_path)
+    assert result.returncode != 0
+    assert "the reward function failed for 32 of 32 samples, more than --max-reward-error-share 0.5 allows" in result.stderr
+    assert "for data_source 'addition', ground_truth" in result.stderr and failure in result.stderr
+    assert (
+        f"(the reward: {tmp_path}/broken.py:score)" in result.stderr
+        and "prompt '" in result.stderr
+        and "response '" in result.stderr
+    )
     [run_dir] = (tmp_path / "runs").iterdir()
     assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text()  # no step finished
 
@@ -243,105 +231,128 @@ def test_a_hanging_reward_is_cut_off(tokenizer):
     assert metrics == {"reward/errors": 0, "reward/timeouts": 1}
 
 
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--train-files", "{tmp}/missing.parquet"], "missing.parquet does not exist"),
-        (["--train-files", "{tmp}/empty.jsonl"], "empty.jsonl has no rows"),
-        (["--train-files", "{tmp}/long.jsonl"], "long.jsonl, row 0: the prompt has 9 tokens, more than --max-prompt-length 8"),
-        (
-            ["--train-batch-size", "128", "--mini-batch-size", "64"],
-            "--train-batch-size is 128 prompts, more than the 100 in --train-files",
-        ),
-        (["--num-workers", "3"], "does not split evenly over --num-workers 3"),
-        (
-            ["--train-batch-size", "8", "--mini-batch-size", "3"],
-            "--train-batch-size 8 is not a multiple of --mini-batch-size 3",
-        ),
-        (["--rollout-engine", "vllm", "--top-p", "0.9"], "--rollout-engine vllm samples from the whole distribution here"),
-        (["--test-freq", "0"], "--test-freq is 0; it must be above 0"),
-        (["--save-freq", "0"], "--save-freq is 0; it must be above 0"),
-        (["--mini-batch-size", "0"], "--mini-batch-size is 0; it must be above 0"),
-        (["--micro-batch-size", "0"], "--micro-batch-size is 0; it must be above 0"),
-        (
-            ["--micro-batch-tokens", "10"],
-            "--micro-batch-tokens 10 cannot hold one sequence of --max-prompt-length + --max-response-length = 12 tokens",
-        ),
-        (["--micro-batch-tokens", "-1"], "--micro-batch-tokens is -1; use 0 to count sequences, auto, or more"),
-        (["--max-memory-share", "1.5"], "--max-memory-share is 1.5; it is a share of the memory, at most 1"),
-        (["--max-memory-share", "0.5"], "--max-memory-share 0.5 sizes the micro-batches of --micro-batch-tokens auto"),
-        (["--sequence-parallel", "3"], "--sequence-parallel 3 does not divide --num-workers 2 into groups of workers"),
-        (["--max-staleness", "1"], "which needs engines apart from the policy's processes (--rollout-workers 1 or more)"),
-        (["--rollout-workers", "-1"], "--rollout-workers is -1; use 0 for the policy's own processes to generate"),
-        (
-            ["--rollout-workers", "1", "--max-staleness", "1", "--env", "calculator"],
-            "--env runs episodes turn by turn with the environment, a batch at a time: drop --max-staleness",
-        ),
-        (
-            ["--num-workers", "4", "--sequence-parallel", "4"],
-            "has 2 attention heads, and each rank attends for at least one; use at most 2",
-        ),
-        (["--max-response-length", "0"], "--max-response-length is 0; it must be above 0"),
-        (["--env", "calculator", "--max-turns", "0"], "--max-turns is 0; it must be above 0"),
-        (["--temperature", "0"], "--temperature is 0.0: rollouts are sampled, so it must be above 0"),
-        (["--reward-workers", "-1"], "--reward-workers is -1; use 0 to score in this process, or more"),
-        (["--model-path", "{tmp}/nowhere", "--train-files", "{val}"], "--model-path {tmp}/nowhere: no such folder"),
-        (["--model-path", "{tmp}", "--train-files", "{val}"], "--model-path {tmp}: no config.json in it"),
-        (["--model-path", "{model}", "--val-files", "{val}"], "--train-files is missing"),
-        (["--n", "1"], "--n 1: the advantage compares each response with the others sampled for its prompt"),
-        (["--train-files", "{tmp}/empty_prompt.jsonl"], "empty_prompt.jsonl, row 1: field 'prompt' has no text"),
-        (
-            ["--train-files", "{tmp}/null_truth.jsonl"],
-            "null_truth.jsonl, row 0: field 'reward_model' has a null 'ground_truth'",
-        ),
-    ],
-    ids=[
-        "missing-file",
-        "empty-file",
-        "long-prompt",
-        "batch-larger-than-data",
-        "indivisible-workers",
-        "indivisible-mini-batch",
-        "vllm-top-p",
-        "test-freq-0",
-        "save-freq-0",
-        "mini-batch-0",
-        "micro-batch-0",
-        "micro-batch-tokens-below-one-sequence",
-        "micro-batch-tokens-negative",
-        "max-memory-share-above-1",
-        "max-memory-share-without-auto",
-        "sequence-parallel-indivisible-workers",
-        "staleness-without-rollout-workers",
-        "rollout-workers-negative",
-        "staleness-with-env",
-        "sequence-parallel-above-heads",
-        "max-response-length-0",
-        "max-turns-0",
-        "temperature-0",
-        "reward-workers-negative",
-        "model-path-missing",
-        "model-path-without-config",
-        "no-train-files",
-        "n-1-in-grpo",
-        "empty-prompt",
-        "null-ground-truth",
-    ],
-)
-def test_bad_input_stops_before_any_worker(demo_files, tmp_path, flags, message):
-    (tmp_path / "empty.jsonl").write_text("")
+# The flags of each case ({tmp}: the test's folder, {model}, {val}: the demo's), and what the refusal says
+BAD_INPUT = {
+    "missing-file": (["--train-files", "{tmp}/missing.parquet"], "missing.parquet does not exist"),
+    "empty-file": (["--train-files", "{tmp}/empty.jsonl"], "empty.jsonl has no rows"),
+    "long-prompt": (
+        ["--train-files", "{tmp}/long.jsonl"],
+        "long.jsonl, row 0: the prompt has 9 tokens, more than --max-prompt-length 8",
+    ),
+    "batch-larger-than-data": (
+        ["--train-batch-size", "128", "--mini-batch-size", "64"],
+        "--train-batch-size is 128 prompts, more than the 100 in --train-files",
+    ),
+    "indivisible-workers": (["--num-workers", "3"], "does not split evenly over --num-workers 3"),
+    "indivisible-mini-batch": (
+        ["--train-batch-size", "8", "--mini-batch-size", "3"],
+        "--train-batch-size 8 is not a multiple of --mini-batch-size 3",
+    ),
+    "vllm-top-p": (
+        ["--rollout-engine", "vllm", "--top-p", "0.9"],
+        "--rollout-engine vllm samples from the whole distribution here",
+    ),
+    "test-freq-0": (["--test-freq", "0"], "--test-freq is 0; it must be above 0"),
+    "save-freq-0": (["--save-freq", "0"], "--save-freq is 0; it must be above 0"),
+    "mini-batch-0": (["--mini-batch-size", "0"], "--mini-batch-size is 0; it must be above 0"),
+    "micro-batch-0": (["--micro-batch-size", "0"], "--micro-batch-size is 0; it must be above 0"),
+    "micro-batch-tokens-below-one-sequence": (
+        ["--micro-batch-tokens", "10"],
+        "--micro-batch-tokens 10 cannot hold one sequence of --max-prompt-length + --max-response-length = 12 tokens",
+    ),
+    "micro-batch-tokens-negative": (
+        ["--micro-batch-tokens", "-1"],
+        "--micro-batch-tokens is -1; use 0 to count sequences, auto, or more",
+    ),
+    "max-memory-share-above-1": (
+        ["--max-memory-share", "1.5"],
+        "--max-memory-share is 1.5; it is a share of the memory, at most 1",
+    ),
+    "max-memory-share-without-auto": (
+        ["--max-memory-share", "0.5"],
+        "--max-memory-share 0.5 sizes the micro-batches of --micro-batch-tokens auto",
+    ),
+    "sequence-parallel-indivisible-workers": (
+        ["--sequence-parallel", "3"],
+        "--sequence-parallel 3 does not divide --num-workers 2 into groups of workers",
+    ),
+    "staleness-without-rollout-workers": (
+        ["--max-staleness", "1"],
+        "which needs engines apart from the policy's processes (--rollout-workers 1 or more)",
+    ),
+    "rollout-workers-negative": (
+        ["--rollout-workers", "-1"],
+        "--rollout-workers is -1; use 0 for the policy's own processes to generate",
+    ),
+    "staleness-with-env": (
+        ["--rollout-workers", "1", "--max-staleness", "1", "--env", "calculator"],
+        "--env runs episodes turn by turn with the environment, a batch at a time: drop --max-staleness",
+    ),
+    "sequence-parallel-above-heads": (
+        ["--num-workers", "4", "--sequence-parallel", "4"],
+        "has 2 attention heads, and each rank attends for at least one; use at most 2",
+    ),
+    "max-response-length-0": (["--max-response-length", "0"], "--max-response-length is 0; it must be above 0"),
+    "max-turns-0": (["--env", "calculator", "--max-turns", "0"], "--max-turns is 0; it must be above 0"),
+    "temperature-0": (["--temperature", "0"], "--temperature is 0.0: rollouts are sampled, so it must be above 0"),
+    "reward-workers-negative": (["--reward-workers", "-1"], "--reward-workers is -1; use 0 to score in this process, or more"),
+    "model-path-missing": (
+        ["--model-path", "{tmp}/nowhere", "--train-files", "{val}"],
+        "--model-path {tmp}/nowhere: no such folder",
+    ),
+    "model-path-without-config": (
+        ["--model-path", "{tmp}", "--train-files", "{val}"],
+        "--model-path {tmp}: no config.json in it",
+    ),
+    "no-train-files": (["--model-path", "{model}", "--val-files", "{val}"], "--train-files is missing"),
+    "n-1-in-grpo": (["--n", "1"], "--n 1: the advantage compares each response with the others sampled for its prompt"),
+    "empty-prompt": (["--train-files", "{tmp}/empty_prompt.jsonl"], "empty_prompt.jsonl, row 1: field 'prompt' has no text"),
+    "null-ground-truth": (
+        ["--train-files", "{tmp}/null_truth.jsonl"],
+        "null_truth.jsonl, row 0: field 'reward_model' has a null 'ground_truth'",
+    ),
+}
+# run as processes of their own as well: a file's error, a rule of the script, a check of the model folder
+COMMAND_LINE_IDS = ["missing-file", "n-1-in-grpo", "model-path-without-config"]
+
+
+def write_bad_files(folder: Path) -> None:
+    """Prompt files that fail the checks: empty, a prompt over 8 tokens, an empty prompt, a null ground truth."""
+    (folder / "empty.jsonl").write_text("")
     row = {
         "prompt": [{"role": "user", "content": "123456+7="}],
         "data_source": "addition",
         "reward_model": {"ground_truth": "123463"},
     }
-    (tmp_path / "long.jsonl").write_text(json.dumps(row) + "\n")
+    (folder / "long.jsonl").write_text(json.dumps(row) + "\n")
     short, empty = ({**row, "prompt": [{"role": "user", "content": text}]} for text in ("1+2=", " "))
-    (tmp_path / "empty_prompt.jsonl").write_text(json.dumps(short) + "\n" + json.dumps(empty) + "\n")
-    (tmp_path / "null_truth.jsonl").write_text(json.dumps({**row, "reward_model": {"ground_truth": None}}) + "\n")
+    (folder / "empty_prompt.jsonl").write_text(json.dumps(short) + "\n" + json.dumps(empty) + "\n")
+    (folder / "null_truth.jsonl").write_text(json.dumps({**row, "reward_model": {"ground_truth": None}}) + "\n")
+
+
+def filled_in(flags, message, tmp_path, demo_files):
     paths = {"{tmp}": str(tmp_path), "{model}": demo_files[0], "{val}": demo_files[2]}
     for pattern, path in paths.items():
         flags, message = [f.replace(pattern, path) for f in flags], message.replace(pattern, path)
+    return flags, message
+
+
+@pytest.mark.parametrize("flags, message", BAD_INPUT.values(), ids=BAD_INPUT.keys())
+def test_bad_input_stops_before_any_worker(demo_files, tmp_path, monkeypatch, flags, message):
+    """The script's own code in this process, as `python algos/grpo_hybrid.py FLAGS` runs it: it stops with the message
+    before it would start Ray (where it would, the test fails)."""
+    write_bad_files(tmp_path)
+    flags, message = filled_in(flags, message, tmp_path, demo_files)
+    stop = stop_in_process("grpo_hybrid.py", *flags, cwd=tmp_path, monkeypatch=monkeypatch)
+    assert message in stop and "PolicyWorker" not in stop
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("flags, message", [BAD_INPUT[name] for name in COMMAND_LINE_IDS], ids=COMMAND_LINE_IDS)
+def test_bad_input_on_the_command_line_stops_before_any_worker(demo_files, tmp_path, flags, message):
+    """A few of the cases above as a user types them: a process of its own, its message on stderr."""
+    write_bad_files(tmp_path)
+    flags, message = filled_in(flags, message, tmp_path, demo_files)
     result = subprocess.run(
         [sys.executable, str(ROOT / "algos" / "grpo_hybrid.py"), *flags],
         cwd=tmp_path,
@@ -356,12 +367,22 @@ def test_bad_input_stops_before_any_worker(demo_files, tmp_path, flags, message)
 
 def test_resume_auto_with_nothing_to_resume_and_validation_on_the_training_prompts_say_so(ray_cluster, demo_files, tmp_path):
     model, train, _ = demo_files
-    code, stdout, stderr = run_script(
-        "--model-path", model, "--train-files", train, "--total-steps", "1", "--resume", "auto", cwd=tmp_path
+    result = run_script(
+        "grpo_hybrid.py",
+        *TINY,
+        "--model-path",
+        model,
+        "--train-files",
+        train,
+        "--total-steps",
+        "1",
+        "--resume",
+        "auto",
+        cwd=tmp_path,
     )
-    assert code == 0, stderr[-3000:]
-    assert "--resume auto: no checkpoint of runs/grpo__grpo_hybrid__1__* yet, so this run starts from step 1" in stdout
-    assert "accuracy on the training prompts (no --val-files): " in stdout and "held-out" not in stdout
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--resume auto: no checkpoint of runs/grpo__grpo_hybrid__1__* yet, so this run starts from step 1" in result.stdout
+    assert "accuracy on the training prompts (no --val-files): " in result.stdout and "held-out" not in result.stdout
 
 
 def test_a_script_joins_a_cluster_started_by_ray_start_with_token_authentication(demo_files, tmp_path):

@@ -6,20 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from test_scripts import SMALL_RUN, metrics_of, run_script
+from helpers import SMALL_RUN, metrics_of, run_script
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from plot_runs import curves, load_run, plot  # noqa: E402
 
 
-def test_two_seeds_draw_as_one_experiment_with_their_spread(demo_files, tmp_path):
-    folders = []
-    for seed in ("1", "2"):
-        (tmp_path / seed).mkdir()
-        flags = [*SMALL_RUN[:-2], "--num-workers", "1", "--in-process", "--seed", seed]
-        result = run_script("grpo_hybrid.py", *flags, cwd=tmp_path / seed)
-        assert result.returncode == 0, result.stderr[-3000:]
-        folders.append(metrics_of(tmp_path / seed)[0])
+def test_two_seeds_draw_as_one_experiment_with_their_spread(in_process_run, tmp_path):
+    flags = [*SMALL_RUN[:-2], "--num-workers", "1", "--in-process", "--seed", "2"]  # the shared run's, but the seed
+    result = run_script("grpo_hybrid.py", *flags, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    folders = [in_process_run[1], metrics_of(tmp_path)[0]]
     runs = [load_run(folder) for folder in folders]
     assert {name for name, _ in runs} == {"grpo_hybrid"}
     rewards = curves([rows for _, rows in runs], "train/reward_mean")

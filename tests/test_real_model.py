@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common import pretrained
-from test_scripts import metrics_of, run_script
+from helpers import metrics_of, run_script
 
 
 def test_the_packaged_gguf_becomes_an_ordinary_model_folder(smollm2):

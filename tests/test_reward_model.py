@@ -5,7 +5,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 import torch
-from test_scripts import SMALL_RUN, metrics_of, run_script
+from helpers import SMALL_RUN, metrics_of, run_script, stop_in_process
 
 from common.reward_model import combine, conversation_text, render_conversations, reward_model_batch
 from common.worker_group import WorkerGroup
@@ -13,22 +13,6 @@ from common.workers import RewardModelWorker
 
 MESSAGES = [[{"role": "user", "content": f"{a}+{b}="}] for a, b in [(3, 4), (1, 2), (9, 9), (0, 5), (7, 1)]]
 RESPONSES = ["7", "3;maybe", "", "x" * 12, "8"]
-
-
-@pytest.fixture(scope="module")
-def reward_model(tiny_model, tmp_path_factory):
-    """A tiny sequence-classification model on the demo's characters, with a chat template of its own (the policy's
-    tokenizer has none), saved as a model folder."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
-
-    folder = tmp_path_factory.mktemp("reward_model")
-    config = Qwen2Config.from_pretrained(tiny_model, num_labels=1)
-    torch.manual_seed(0)
-    Qwen2ForSequenceClassification(config).save_pretrained(folder)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    tokenizer.chat_template = "{% for m in messages %}[{{ m['role'][0] }}]{{ m['content'] }}{% endfor %}"
-    tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 def test_a_conversation_is_rendered_by_the_reward_models_own_template(reward_model, tokenizer):
@@ -64,11 +48,10 @@ def test_rows_with_a_rule_add_the_weighted_model_score_others_take_it_alone():
     assert combine({0: 1.0, 2: 0.0}, [0.5, -2.0, 4.0], coef=0.25) == [1.125, -2.0, 1.0]
 
 
-def test_a_causal_language_model_is_refused_as_a_reward_model(demo_files, tmp_path):
-    result = run_script("grpo_hybrid.py", "--reward-model", demo_files[0], cwd=tmp_path)
-    assert result.returncode != 0
-    assert "a reward model is a ...ForSequenceClassification with one label" in result.stderr
-    assert "PolicyWorker" not in result.stderr  # before any worker started
+def test_a_causal_language_model_is_refused_as_a_reward_model(demo_files, tmp_path, monkeypatch):
+    stop = stop_in_process("grpo_hybrid.py", "--reward-model", demo_files[0], cwd=tmp_path, monkeypatch=monkeypatch)
+    assert "a reward model is a ...ForSequenceClassification with one label" in stop
+    assert "PolicyWorker" not in stop  # before any worker started
 
 
 def test_ppo_against_a_reward_model_beside_the_rule(ray_cluster, demo_files, reward_model, tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from grpo_hybrid import agg_loss
-from test_scripts import run_script
+from helpers import run_script, stop_in_process
 
 from common.args import RunArgs
 from common.rollout_correction import (
@@ -288,12 +288,19 @@ def test_bad_flags_are_clear_errors(flags, message):
         check_rollout_correction(RunArgs(**flags))
 
 
+BAD_THRESHOLDS = ["--model-path", "no-model", "--train-files", "no-file.parquet", "--n", "4", "--rollout-rs", "seq_mean_k3",
+                  "--rollout-rs-threshold", "0.1,0.2"]
+BAD_THRESHOLDS_MESSAGE = "2 thresholds for the 1 criteria of --rollout-rs 'seq_mean_k3'"
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_each_script_checks_the_flags_before_any_worker_starts(script, tmp_path):
-    flags = ["--model-path", "no-model", "--train-files", "no-file.parquet", "--n", "4", "--rollout-rs", "seq_mean_k3"]
-    result = run_script(f"{script}.py", *flags, "--rollout-rs-threshold", "0.1,0.2", cwd=tmp_path)
-    assert result.returncode != 0
-    assert "2 thresholds for the 1 criteria of --rollout-rs 'seq_mean_k3'" in result.stderr
+def test_each_script_checks_the_flags_before_any_worker_starts(script, tmp_path, monkeypatch):
+    assert BAD_THRESHOLDS_MESSAGE in stop_in_process(f"{script}.py", *BAD_THRESHOLDS, cwd=tmp_path, monkeypatch=monkeypatch)
+
+
+def test_the_command_line_stops_on_the_flags(tmp_path):
+    result = run_script("grpo_hybrid.py", *BAD_THRESHOLDS, cwd=tmp_path)
+    assert result.returncode != 0 and BAD_THRESHOLDS_MESSAGE in result.stderr
     assert "Started a local Ray instance" not in result.stderr + result.stdout
 
 

@@ -4,25 +4,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SMALL_RUN = [
-    "--total-steps",
-    "2",
-    "--train-batch-size",
-    "8",
-    "--mini-batch-size",
-    "4",
-    "--n",
-    "4",
-    "--test-freq",
-    "1",
-    "--num-workers",
-    "2",
-]
+from helpers import ROOT, SMALL_RUN, VLLM_FP32, metric_rows, metrics_of, run_script, stop_in_process
+
 SHARED_METRICS = [
     "train/reward_mean",
     "val/accuracy",
@@ -62,22 +48,6 @@ SHARED_METRICS = [
 ]
 
 
-def run_script(script, *flags, cwd, env=None):
-    return subprocess.run(
-        [sys.executable, str(ROOT / "algos" / script), *flags],
-        cwd=cwd,
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
-def metrics_of(cwd):
-    [run_dir] = (Path(cwd) / "runs").iterdir()
-    return run_dir, [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 ALGORITHM_METRICS = {
     "grpo": ["actor/kl"],
     "ppo": [
@@ -103,7 +73,6 @@ ALGORITHM_METRICS = {
 
 
 LORA = ["--lora-rank", "8", "--lora-alpha", "16", "--lr", "1e-2"]
-VLLM_FP32 = ["--rollout-engine", "vllm", "--rollout-dtype", "float32"]  # the trainer's precision on the CPU
 
 
 @pytest.mark.parametrize(
@@ -181,22 +150,16 @@ def test_multi_turn_episodes_with_the_calculator(ray_cluster, demo_files, tmp_pa
         assert row["rollout/logprob_diff_max"] < 1e-4 and "val/accuracy/multiplication" in row
 
 
-def test_in_process_trains_as_one_ray_worker_does(ray_cluster, demo_files, tmp_path):
+def test_in_process_trains_as_one_ray_worker_does(ray_cluster, in_process_run, tmp_path):
     """--in-process: the worker runs inside the driver's process, so breakpoint() in a loss, a reward or a worker
     stops in the user's terminal. Two steps give the metrics that one Ray worker gives."""
-    flags = [*SMALL_RUN[:-2], "--num-workers", "1"]
-    (tmp_path / "ray").mkdir()
-    (tmp_path / "in_process").mkdir()
-    under_ray = run_script("grpo_hybrid.py", *flags, cwd=tmp_path / "ray")
+    under_ray = run_script("grpo_hybrid.py", *SMALL_RUN[:-2], "--num-workers", "1", cwd=tmp_path)
     assert under_ray.returncode == 0, under_ray.stderr[-3000:]
-    # A Ray actor with one CPU computes on one thread; so does this process, so that sums round alike.
-    in_process = run_script(
-        "grpo_hybrid.py", *flags, "--in-process", cwd=tmp_path / "in_process", env={"OMP_NUM_THREADS": "1"}
-    )
-    assert in_process.returncode == 0, in_process.stderr[-3000:]
+    # A Ray actor with one CPU computes on one thread; so does the in-process run, so that sums round alike.
+    in_process, in_process_dir = in_process_run
     assert "(PolicyWorker pid=" in under_ray.stderr and "(PolicyWorker pid=" not in in_process.stderr  # no actor
-    _, rows_under_ray = metrics_of(tmp_path / "ray")
-    _, rows_in_process = metrics_of(tmp_path / "in_process")
+    _, rows_under_ray = metrics_of(tmp_path)
+    rows_in_process = metric_rows(in_process_dir)
     training = [
         {k: v for k, v in row.items() if not k.startswith(("timing/", "perf/")) and "memory" not in k and k != "wall_time"}
         for row in rows_under_ray
@@ -234,11 +197,10 @@ def test_dapo_dynamic_sampling_bound_is_a_clear_error(ray_cluster, demo_files, t
     assert "Raise --max-gen-batches" in result.stderr
 
 
-def test_dapo_overlong_buffer_must_fit_in_the_limit(demo_files, tmp_path):
-    result = run_script("dapo_hybrid.py", "--overlong-buffer-length", "4", cwd=tmp_path)  # the demo's limit is 4 tokens
-    assert result.returncode != 0
-    assert "--overlong-buffer-length 4 with --max-response-length 4: the buffer is the last part of the limit" in result.stderr
-    assert "PolicyWorker" not in result.stderr
+def test_dapo_overlong_buffer_must_fit_in_the_limit(demo_files, tmp_path, monkeypatch):
+    stop = stop_in_process("dapo_hybrid.py", "--overlong-buffer-length", "4", cwd=tmp_path, monkeypatch=monkeypatch)
+    assert "--overlong-buffer-length 4 with --max-response-length 4: the buffer is the last part of the limit" in stop
+    assert "PolicyWorker" not in stop  # the demo's limit is 4 tokens
 
 
 def test_grpo_tracks_to_wandb_offline_with_the_rewards_own_keys(ray_cluster, demo_files, tmp_path):
@@ -264,28 +226,25 @@ def test_grpo_tracks_to_wandb_offline_with_the_rewards_own_keys(ray_cluster, dem
         assert {"exact", "length", "verdict", "score"} <= set(json.loads(table.read_text())["columns"])
 
 
-def test_malformed_data_stops_before_any_worker(demo_files, tmp_path):
+def test_malformed_data_stops_before_any_worker(demo_files, tmp_path, monkeypatch):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1="}], "data_source": "addition"}) + "\n")
-    result = run_script("grpo_hybrid.py", "--model-path", demo_files[0], "--train-files", str(bad), cwd=tmp_path)
-    assert result.returncode != 0
-    assert "bad.jsonl, row 0: field 'reward_model'" in result.stderr
-    assert "PolicyWorker" not in result.stderr
+    flags = ["--model-path", demo_files[0], "--train-files", str(bad)]
+    stop = stop_in_process("grpo_hybrid.py", *flags, cwd=tmp_path, monkeypatch=monkeypatch)
+    assert "bad.jsonl, row 0: field 'reward_model'" in stop
+    assert "PolicyWorker" not in stop
 
 
-def test_an_env_that_does_not_load_stops_before_any_worker(demo_files, tmp_path):
+def test_an_env_that_does_not_load_stops_before_any_worker(demo_files, tmp_path, monkeypatch):
     model, train, _ = demo_files
     flags = ["--model-path", model, "--train-files", train, "--env", "nowhere.py:Env"]
-    result = run_script("grpo_hybrid.py", *flags, cwd=tmp_path)
-    assert result.returncode != 0
-    assert "--env 'nowhere.py:Env': no file nowhere.py" in result.stderr
-    assert "PolicyWorker" not in result.stderr
+    stop = stop_in_process("grpo_hybrid.py", *flags, cwd=tmp_path, monkeypatch=monkeypatch)
+    assert "--env 'nowhere.py:Env': no file nowhere.py" in stop
+    assert "PolicyWorker" not in stop
 
 
-def test_indivisible_batch_stops_before_any_worker(demo_files, tmp_path):
-    result = run_script(
-        "grpo_hybrid.py", "--num-workers", "3", "--train-batch-size", "4", "--mini-batch-size", "4", "--n", "2", cwd=tmp_path
-    )
-    assert result.returncode != 0
-    assert "does not split evenly over --num-workers 3" in result.stderr
-    assert "PolicyWorker" not in result.stderr
+def test_indivisible_batch_stops_before_any_worker(demo_files, tmp_path, monkeypatch):
+    flags = ["--num-workers", "3", "--train-batch-size", "4", "--mini-batch-size", "4", "--n", "2"]
+    stop = stop_in_process("grpo_hybrid.py", *flags, cwd=tmp_path, monkeypatch=monkeypatch)
+    assert "does not split evenly over --num-workers 3" in stop
+    assert "PolicyWorker" not in stop

@@ -20,11 +20,21 @@ from common.rollout_correction import check_probe
 from common.weight_sync import engine_weights, send_tensors
 from common.worker_group import ResourcePool, WorkerGroup, wait_all
 from common.workers import RolloutWorker
-from test_long_runs import TINY, metric_rows, start_script, wait_for_steps
-from test_long_runs import run_script as run_long
-from test_scripts import SMALL_RUN, VLLM_FP32, metrics_of, run_script
-from test_vllm import FP32_GAP, gap, train
-from test_workers import LOG_PROB_INPUTS, PolicyProbe
+from helpers import (
+    FP32_GAP,
+    LOG_PROB_INPUTS,
+    SMALL_RUN,
+    TINY,
+    VLLM_FP32,
+    PolicyProbe,
+    gap,
+    metric_rows,
+    metrics_of,
+    run_script,
+    start_script,
+    train,
+    wait_for_steps,
+)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -200,7 +210,7 @@ def test_sigterm_saves_where_the_engines_batches_begin_and_the_run_resumes(ray_c
     """The batches the engine was asked for and no step trained on are not saved: the checkpoint's data position is
     before their prompts, so that the resumed run generates them again."""
     flags = [*TINY, *ASYNC, "--max-staleness", "2", "--save-freq", "1000"]
-    process = start_script(*flags, "--total-steps", "500", cwd=tmp_path)
+    process = start_script("grpo_hybrid.py", *flags, "--total-steps", "500", cwd=tmp_path)
     run_dir = wait_for_steps(tmp_path, 2, process)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=120)
@@ -208,9 +218,9 @@ def test_sigterm_saves_where_the_engines_batches_begin_and_the_run_resumes(ray_c
     [checkpoint] = complete_checkpoints(run_dir)
     step = int(checkpoint.name.removeprefix("step_"))
     assert torch.load(checkpoint / "driver.pt", weights_only=False)["loader"] == {"epoch": 0, "batch_index": step}
-    code, stdout, stderr = run_long("--total-steps", str(step + 2), "--resume", "auto", *flags, cwd=tmp_path)
-    assert code == 0, stderr[-3000:]
-    assert f"runs/{run_dir.name}/checkpoints/step_{step}" in stdout
+    result = run_script("grpo_hybrid.py", "--total-steps", str(step + 2), "--resume", "auto", *flags, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"runs/{run_dir.name}/checkpoints/step_{step}" in result.stdout
     rows = metric_rows(run_dir)
     assert [r["step"] for r in rows][-2:] == [step + 1, step + 2]
     assert all(row["rollout/staleness_max"] <= 2 for row in rows)

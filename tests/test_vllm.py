@@ -8,9 +8,7 @@ samples must equal the trainer's.
 import json
 import os
 import sys
-from functools import partial
 
-import numpy as np
 import pytest
 import ray
 import torch
@@ -24,14 +22,22 @@ from common.rollout import MAX_NUM_SEQS, kv_cache_bytes
 from common.rollout_correction import rollout_logprob_gap
 from common.weight_sync import engine_weights
 from common.worker_group import WorkerGroup
-from test_envs import play, turns_of
-from test_scripts import SMALL_RUN, VLLM_FP32, metrics_of, run_script
-from test_workers import LOG_PROB_INPUTS, PolicyProbe
+from helpers import (
+    FP32_GAP,
+    LOG_PROB_INPUTS,
+    SMALL_RUN,
+    VLLM_FP32,
+    PolicyProbe,
+    gap,
+    metrics_of,
+    play,
+    run_script,
+    train,
+    turns_of,
+)
 
 cloudpickle.register_pickle_by_value(grpo_hybrid)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-FP32_GAP = 1e-4  # engine and trainer in fp32: float rounding only
 
 
 class EngineProbe(PolicyProbe):
@@ -72,21 +78,6 @@ def rollout(policy, prompts, n=4, method="generate"):
     batch |= policy.scatter("compute_log_prob", batch.select(*LOG_PROB_INPUTS))
     batch |= policy.scatter("compute_ref_log_prob", batch.select(*LOG_PROB_INPUTS))
     return batch
-
-
-def train(policy, batch, steps=3, advantages=None):
-    """`steps` updates on `batch` with one advantage per sample: `advantages`, or from -1 to 1 along the batch."""
-    if advantages is None:
-        advantages = torch.tensor(np.linspace(-1, 1, len(batch)), dtype=torch.float32)
-    batch["advantages"] = advantages[:, None] * batch["response_mask"]
-    inputs = batch.select(*LOG_PROB_INPUTS, "response_mask", "old_log_probs", "advantages")
-    for _ in range(steps):
-        policy.scatter("update", inputs, loss_fn=partial(grpo_hybrid.actor_loss, args=grpo_hybrid.Args(kl_loss_coef=0.0)))
-
-
-def gap(batch, name="old_log_probs"):
-    mask = batch["response_mask"].bool()
-    return (batch[name] - batch["rollout_log_probs"]).abs()[mask].max().item()
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from common.weight_sync import (
     send_tensors,
 )
 from common.worker_group import WorkerGroup, _free_port
-from test_workers import PolicyProbe, local_model
+from helpers import PolicyProbe, local_model
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

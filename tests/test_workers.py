@@ -2,7 +2,6 @@
 
 import math
 import sys
-from collections import defaultdict
 from functools import partial
 
 import numpy as np
@@ -13,90 +12,15 @@ from ray import cloudpickle
 import dapo_hybrid
 import grpo_hybrid
 from common.data import load_prompts
-from common.dataproto import DataProto
 from common.fsdp_worker import lr_factor
-from common.memory import measured
 from common.rollout import check_rollout
 from common.worker_group import WorkerGroup
-from common.workers import CriticWorker, PolicyWorker
+from helpers import LOG_PROB_INPUTS, PolicyProbe, assert_same_adamw_steps, local_log_probs, local_model
 
 # The loss travels to the workers by value, as it does from a script run as __main__; so do the probes below.
 cloudpickle.register_pickle_by_value(grpo_hybrid)
 cloudpickle.register_pickle_by_value(dapo_hybrid)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
-class Probe:
-    """What the tests read from a worker, or change on it between calls."""
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter gathered whole, on the CPU (a collective: call every rank)."""
-        self.model.reshard()  # FSDP2 keeps the root unsharded after a forward
-        return {name: getattr(p, "full_tensor", p.detach)().cpu() for name, p in self.model.named_parameters()}
-
-    def set(self, **settings) -> None:
-        for name, value in settings.items():
-            setattr(self, name, value)
-
-    def get(self, name: str):
-        return getattr(self, name)
-
-
-class PolicyProbe(Probe, PolicyWorker):
-    def load_of(self, data: DataProto) -> tuple[int, int, int]:
-        """The rows, tokens and distinct prompts this rank was dealt."""
-        return len(data), int(data["attention_mask"].sum()), len(data["prompts"].unique(dim=0))
-
-    def fsdp_units(self) -> int:
-        from torch.distributed.fsdp import FSDPModule
-
-        return sum(isinstance(module, FSDPModule) for module in self.model.modules())
-
-    def micro_batch_loads(self, data: DataProto) -> tuple[list[int], list[int]]:
-        """The tokens of each micro-batch, and every row they take."""
-        parts = self.micro_batches(data)
-        return [int(data[rows]["attention_mask"].sum()) for rows in parts], sorted(np.concatenate(parts).tolist())
-
-    def compute_setup(self) -> tuple[str, str, list[str]]:
-        """The compute dtype, the micro-batch layout, and the dtypes of the master weights."""
-        self.model.reshard()  # unsharded, FSDP2 shows the gathered copies, in the compute dtype
-        return str(self.compute_dtype), self.layout, sorted({str(p.dtype) for p in self.model.parameters()})
-
-    @measured
-    def hold(self, gigabytes: float) -> None:
-        """Fill `gigabytes` of memory for the length of the call."""
-        torch.ones(int(gigabytes * 2**30) // 4)
-
-    def parameter_layouts(self) -> dict[str, str]:
-        """How the adapter's and the base model's weights lie on this rank: sharded or whole, and their dtype."""
-        self.model.reshard()
-        layouts = defaultdict(set)
-        for name, p in self.model.named_parameters():
-            layout = f"{'sharded' if hasattr(p, 'full_tensor') else 'whole'} {p.dtype}"
-            layouts["adapter" if "lora_" in name else "base"].add(layout)
-        return {part: "/".join(sorted(kinds)) for part, kinds in layouts.items()}
-
-
-class CriticProbe(Probe, CriticWorker):
-    pass
-
-
-LOG_PROB_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
-
-
-def local_log_probs(model, batch: DataProto) -> torch.Tensor:
-    """Log-probs of the responses in one process, without FSDP."""
-    responses = batch["responses"]
-    logits = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
-    ).logits[:, -responses.shape[1] - 1 : -1]
-    return torch.log_softmax(logits.float(), -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
-
-
-def local_model(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -209,11 +133,7 @@ def test_update_matches_one_process_for_any_micro_batch(policy, prompts, tiny_mo
             rank0, rank1 = policy.broadcast("full_state_dict")
             for name, value in rank0.items():
                 torch.testing.assert_close(value, rank1[name], rtol=0, atol=0)
-                # AdamW's first step is lr * g / (|g| + 1e-8): where |g| is near 1e-8, rounding decides its size
-                settled = gradients[name].abs() > 1e-6
-                expected = model.state_dict()[name]
-                torch.testing.assert_close(value[settled], expected[settled], rtol=1e-5, atol=1e-5)
-                torch.testing.assert_close(value, expected, rtol=0, atol=1e-3)
+            assert_same_adamw_steps(rank0, model.state_dict(), [gradients], lr=1e-3, atol=1e-5)
     policy.broadcast("set", mini_batch_size=None, micro_batch_size=2, micro_batch_tokens=0)
 
 
@@ -288,15 +208,17 @@ def test_log_probs_in_chunks_train_as_whole_ones_through_fsdp(policy, prompts, t
     loss_fn = partial(grpo_hybrid.actor_loss, args=grpo_hybrid.Args(kl_loss_coef=0.0))
     results = []
     for chunk_tokens in (2, 0):
-        policy.broadcast("set", log_prob_chunk_tokens=chunk_tokens)
+        policy.broadcast("set", log_prob_chunk_tokens=chunk_tokens, keep_gradients=True, gradients=[])
         passed = policy.scatter("compute_log_prob", batch.select(*LOG_PROB_INPUTS))
         metrics = policy.scatter("update", inputs, loss_fn=loss_fn)
         results.append((passed["old_log_probs"], passed["entropy"], metrics[0]["grad_norm"]))
         results[-1] += (policy.broadcast("full_state_dict")[0],)
         policy.broadcast("load", str(tmp_path / "checkpoint"))
+    policy.broadcast("set", keep_gradients=False)
     (*chunked, chunked_weights), (*whole, whole_weights) = results
     torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(chunked_weights, whole_weights, rtol=0, atol=1e-6)
+    gradients = policy.broadcast("get", "gradients")[0]  # the whole log-probs' step
+    assert_same_adamw_steps(chunked_weights, whole_weights, gradients, lr=1e-3, atol=1e-6)
     assert any(
         (whole_weights[name] - weight).abs().max() > 1e-4 for name, weight in policy.broadcast("full_state_dict")[0].items()
     )

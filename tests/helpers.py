@@ -1,0 +1,274 @@
+"""What the tests share besides conftest.py's fixtures: running a script and reading its metrics, the probes that read
+a worker's state, comparing weights after optimiser steps."""
+
+import contextlib
+import io
+import json
+import os
+import runpy
+import subprocess
+import sys
+import time
+import traceback
+from collections import defaultdict
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+from ray import cloudpickle
+
+import grpo_hybrid
+from common.dataproto import DataProto
+from common.memory import measured
+from common.envs import run_episodes
+from common.workers import CriticWorker, PolicyWorker
+
+# The probes travel to the workers by value: the workers have no tests folder to import them from.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+cloudpickle.register_pickle_by_value(grpo_hybrid)
+
+ROOT = Path(__file__).resolve().parents[1]
+# Two steps on 2 workers, validating at each (test_scripts.py and the tests that run a script to its end).
+SMALL_RUN = [
+    "--total-steps",
+    "2",
+    "--train-batch-size",
+    "8",
+    "--mini-batch-size",
+    "4",
+    "--n",
+    "4",
+    "--test-freq",
+    "1",
+    "--num-workers",
+    "2",
+]
+# A run that validates only at its end (the long runs, the faults); --total-steps is each test's.
+TINY = ["--train-batch-size", "8", "--mini-batch-size", "4", "--n", "4", "--test-freq", "100", "--no-val-before-train"]
+VLLM_FP32 = ["--rollout-engine", "vllm", "--rollout-dtype", "float32"]  # the trainer's precision on the CPU
+
+
+def start_script(script: str, *flags, cwd, env=None) -> subprocess.Popen:
+    """algos/`script` started with `flags` in a session of its own, as a command typed in a terminal has: Ctrl-C reaches
+    its whole process group."""
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "algos" / script), *flags],
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def run_script(script: str, *flags, cwd, env=None) -> subprocess.CompletedProcess:
+    """algos/`script` run to its end with `flags` (`env` on top of this process's environment)."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "algos" / script), *flags],
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    """Each step's row of a run's metrics.jsonl."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def metrics_of(cwd) -> tuple[Path, list[dict]]:
+    """The one run under `cwd`/runs, and its rows."""
+    [run_dir] = (Path(cwd) / "runs").iterdir()
+    return run_dir, metric_rows(run_dir)
+
+
+def comparable(row):
+    """Training metrics: not times, and not validation (the shorter run validates at its last step)."""
+    return {
+        k: v
+        for k, v in row.items()
+        if not k.startswith(("timing/", "perf/", "val/")) and not k.endswith("peak_memory_gb") and k != "wall_time"
+    }
+
+
+def wait_for_steps(run_root: Path, steps: int, process, timeout=300):
+    """The run folder under `run_root` once its metrics hold `steps` rows; fails where `process` ended before."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        files = list(run_root.glob("runs/*/metrics.jsonl"))
+        if files and len(files[0].read_text().splitlines()) >= steps:
+            return files[0].parent
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        time.sleep(0.2)
+    raise TimeoutError
+
+
+def stop_in_process(script: str, *flags, cwd, monkeypatch) -> str:
+    """Run algos/`script` in this process as `python algos/script FLAGS` would (no interpreter to start, its imports
+    already made), expecting it to stop on bad input before it starts Ray: the error with its traceback, and what it
+    wrote to stderr. Where it would start Ray instead, the test fails."""
+    import common.run
+
+    def no_ray():
+        raise AssertionError(f"{script} {' '.join(flags)} got as far as starting Ray")
+
+    monkeypatch.setattr(common.run, "init_ray", no_ray)
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "algos" / script), *flags])
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # a Run sets its own
+    monkeypatch.chdir(cwd)
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            runpy.run_path(sys.argv[0], run_name="__main__")
+    except (Exception, SystemExit) as error:
+        if isinstance(error, AssertionError):
+            raise
+        return "".join(traceback.format_exception(error)) + stderr.getvalue()
+    raise AssertionError(f"{script} {' '.join(flags)} ran to its end")
+
+
+ADAMW_EPS = 1e-8  # torch.optim.AdamW's default, which the workers keep
+
+
+def assert_same_adamw_steps(weights: dict, expected: dict, gradients: list[dict], lr: float, atol: float) -> None:
+    """Weights after len(gradients) AdamW steps from the same start, on two ways to the same gradients.
+
+    Each step moves a weight by lr * m / (sqrt(v) + eps), on the first step lr * g / (|g| + eps): where every |g| is far
+    above eps (100 eps: within 1% of lr * sign(g)), rounding in g barely moves the step, and the weights agree to
+    `atol`. Where |g| is rounding noise (the gradient of a weight that exact arithmetic leaves still, such as a key
+    bias under softmax), the kernels of the CPU pick the step's size and sign: there they agree to about lr per step
+    and side, Adam's largest step in its first steps. A weight with no gradient (frozen) is the same on both sides."""
+    for name, value in weights.items():
+        if name not in gradients[0]:
+            torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+            continue
+        settled = torch.stack([step[name].abs() > 100 * ADAMW_EPS for step in gradients]).all(0)
+        torch.testing.assert_close(value[settled], expected[name][settled], rtol=1e-5, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=2 * lr * len(gradients), msg=lambda m: f"{name}: {m}")
+
+
+class Probe:
+    """What the tests read from a worker, or change on it between calls."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter gathered whole, on the CPU (a collective: call every rank)."""
+        self.model.reshard()  # FSDP2 keeps the root unsharded after a forward
+        return {name: getattr(p, "full_tensor", p.detach)().cpu() for name, p in self.model.named_parameters()}
+
+    def set(self, **settings) -> None:
+        for name, value in settings.items():
+            setattr(self, name, value)
+
+    def get(self, name: str):
+        return getattr(self, name)
+
+    keep_gradients = False
+
+    def _clip_grad_norm(self) -> float:
+        """With `keep_gradients` set, each optimiser step's gradient, gathered whole (a collective), joins `gradients`."""
+        if self.keep_gradients:
+            trained = [(name, p.grad) for name, p in self.model.named_parameters() if p.grad is not None]
+            self.gradients.append({name: getattr(grad, "full_tensor", grad.detach)().cpu() for name, grad in trained})
+        return super()._clip_grad_norm()
+
+
+class PolicyProbe(Probe, PolicyWorker):
+    def load_of(self, data: DataProto) -> tuple[int, int, int]:
+        """The rows, tokens and distinct prompts this rank was dealt."""
+        return len(data), int(data["attention_mask"].sum()), len(data["prompts"].unique(dim=0))
+
+    def fsdp_units(self) -> int:
+        from torch.distributed.fsdp import FSDPModule
+
+        return sum(isinstance(module, FSDPModule) for module in self.model.modules())
+
+    def micro_batch_loads(self, data: DataProto) -> tuple[list[int], list[int]]:
+        """The tokens of each micro-batch, and every row they take."""
+        parts = self.micro_batches(data)
+        return [int(data[rows]["attention_mask"].sum()) for rows in parts], sorted(np.concatenate(parts).tolist())
+
+    def compute_setup(self) -> tuple[str, str, list[str]]:
+        """The compute dtype, the micro-batch layout, and the dtypes of the master weights."""
+        self.model.reshard()  # unsharded, FSDP2 shows the gathered copies, in the compute dtype
+        return str(self.compute_dtype), self.layout, sorted({str(p.dtype) for p in self.model.parameters()})
+
+    @measured
+    def hold(self, gigabytes: float) -> None:
+        """Fill `gigabytes` of memory for the length of the call."""
+        torch.ones(int(gigabytes * 2**30) // 4)
+
+    def parameter_layouts(self) -> dict[str, str]:
+        """How the adapter's and the base model's weights lie on this rank: sharded or whole, and their dtype."""
+        self.model.reshard()
+        layouts = defaultdict(set)
+        for name, p in self.model.named_parameters():
+            layout = f"{'sharded' if hasattr(p, 'full_tensor') else 'whole'} {p.dtype}"
+            layouts["adapter" if "lora_" in name else "base"].add(layout)
+        return {part: "/".join(sorted(kinds)) for part, kinds in layouts.items()}
+
+
+class CriticProbe(Probe, CriticWorker):
+    pass
+
+
+LOG_PROB_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
+
+
+def local_log_probs(model, batch: DataProto) -> torch.Tensor:
+    """Log-probs of the responses in one process, without FSDP."""
+    responses = batch["responses"]
+    logits = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+    ).logits[:, -responses.shape[1] - 1 : -1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+
+
+def local_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+SAMPLING = dict(do_sample=True, top_p=1.0, top_k=0)
+
+
+def play(policy, prompts, env_calls, env_cls, tokenizer, eos, max_turns=3, max_response_length=12, n=4):
+    batch = prompts.repeat(n, interleave=True)
+    stop_strings = list(getattr(env_cls, "stop_strings", []))
+    return batch | run_episodes(
+        policy, batch, env_calls, stop_strings, tokenizer, eos, max_turns, max_response_length, SAMPLING
+    )
+
+
+def turns_of(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) of each run of the model's tokens."""
+    spans, start = [], None
+    for t, own in enumerate(mask.tolist() + [0.0]):
+        if own and start is None:
+            start = t
+        if not own and start is not None:
+            spans.append((start, t))
+            start = None
+    return spans
+
+
+FP32_GAP = 1e-4  # engine and trainer in fp32: float rounding only
+
+
+def train(policy, batch, steps=3, advantages=None):
+    """`steps` updates on `batch` with one advantage per sample: `advantages`, or from -1 to 1 along the batch."""
+    if advantages is None:
+        advantages = torch.tensor(np.linspace(-1, 1, len(batch)), dtype=torch.float32)
+    batch["advantages"] = advantages[:, None] * batch["response_mask"]
+    inputs = batch.select(*LOG_PROB_INPUTS, "response_mask", "old_log_probs", "advantages")
+    for _ in range(steps):
+        policy.scatter("update", inputs, loss_fn=partial(grpo_hybrid.actor_loss, args=grpo_hybrid.Args(kl_loss_coef=0.0)))
+
+
+def gap(batch, name="old_log_probs"):
+    mask = batch["response_mask"].bool()
+    return (batch[name] - batch["rollout_log_probs"]).abs()[mask].max().item()
