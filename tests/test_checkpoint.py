@@ -5,45 +5,28 @@ and goes on from the one before; `--resume PATH` to a damaged one stops, naming 
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY, comparable, metric_rows, run_script
 from safetensors.torch import load_file
 
 from common.checkpoint import MANIFEST, checkpoint_damage, complete_checkpoints, find_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--train-batch-size", "8", "--mini-batch-size", "4", "--n", "4", "--test-freq", "100", "--no-val-before-train"]
 STEPS = ["--total-steps", "4", "--save-freq", "1", "--keep-last", "0"]
 PREFIX = "grpo__grpo_hybrid__1"
 
 
-def run_script(*flags, cwd):
-    command = [sys.executable, str(ROOT / "algos" / "grpo_hybrid.py"), *TINY, *flags]
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=600)
-
-
-def metric_rows(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def comparable(row):
-    """Training metrics: not times, memory or validation."""
-    return {
-        k: v
-        for k, v in row.items()
-        if not k.startswith(("timing/", "perf/", "val/")) and not k.endswith("peak_memory_gb") and k != "wall_time"
-    }
+def run_grpo(*flags, cwd):
+    return run_script("grpo_hybrid.py", *TINY, *flags, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(ray_cluster, demo_files, tmp_path_factory):
     """The run folder of a run never interrupted, with a checkpoint after each of its 4 steps."""
     folder = tmp_path_factory.mktemp("uninterrupted")
-    result = run_script(*STEPS, cwd=folder)
+    result = run_grpo(*STEPS, cwd=folder)
     assert result.returncode == 0, result.stderr[-3000:]
     [run_dir] = (folder / "runs").iterdir()
     return run_dir
@@ -97,7 +80,7 @@ def test_the_manifest_lists_every_file_with_its_size_and_checksum_and_is_written
 @pytest.mark.parametrize("damage", list(DAMAGES))
 def test_resume_auto_skips_a_damaged_checkpoint_and_ends_as_the_uninterrupted_run(uninterrupted, tmp_path, damage):
     run_dir, line = damaged_copy(uninterrupted, tmp_path, damage)
-    result = run_script(*STEPS, "--resume", "auto", cwd=tmp_path)
+    result = run_grpo(*STEPS, "--resume", "auto", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     checkpoints = run_dir.resolve() / "checkpoints"
     assert f"--resume auto: skipped {checkpoints / 'step_4'}, its files differ from its manifest: {line}" in result.stdout
@@ -124,7 +107,7 @@ def test_resume_path_to_a_damaged_checkpoint_stops_the_script_before_any_worker(
     run_dir, line = damaged_copy(uninterrupted, tmp_path, "cut-short")
     rows = (run_dir / "metrics.jsonl").read_text()
     newest = run_dir / "checkpoints" / "step_4"
-    result = run_script(*STEPS, "--resume", str(newest), cwd=tmp_path)
+    result = run_grpo(*STEPS, "--resume", str(newest), cwd=tmp_path)
     assert result.returncode != 0
     assert f"this checkpoint is damaged, its files differ from its manifest:\n  {line}" in result.stderr
     assert "PolicyWorker" not in result.stderr and (run_dir / "metrics.jsonl").read_text() == rows

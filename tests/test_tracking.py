@@ -6,8 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import TINY, metric_rows
+
 from common.tracking import Tracker, new_run_dir, run_dirs
-from test_checkpoint import TINY, metric_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
