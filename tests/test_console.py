@@ -19,7 +19,8 @@ start_console(Path(sys.argv[1]))
 @ray.remote
 def load(worker):
     logger = logging.getLogger("vllm.model_executor.models.utils")
-    logging.basicConfig(stream=sys.stdout, format="(MainProcess pid=%(process)d) %(levelname)s [utils.py:333] %(message)s", force=True)
+    vllm_format = "(MainProcess pid=%(process)d) %(levelname)s [utils.py:333] %(message)s"
+    logging.basicConfig(stream=sys.stdout, format=vllm_format, force=True)
     for name in ("embed_tokens.weight", "layers.0.mlp.up_proj.weight", "layers.1.mlp.up_proj.weight", "norm.weight"):
         logger.warning("Attempted to load weight %s with dtype torch.float32 into parameter with dtype torch.bfloat16", name)
     logger.warning("libtcmalloc is not found in LD_PRELOAD. For best performance, please follow ...")
