@@ -23,7 +23,7 @@ from common.attention import VARLEN, choose, flash_attn_loads, flex_from, regist
 from common.attention import available as flex_available
 from common.attention import register as register_flex
 from common.dataproto import DataProto
-from common.layouts import Layout, balanced_parts, part_loads, response_outputs
+from common.layouts import Layout, balanced_parts, packing_gap, part_loads
 from common.loading import fill_shards, init_missing, replay_lora_init, safetensors_files
 from common.memory import machine_memory_bytes
 from common.micro_batch_budget import MemoryBudget
@@ -117,14 +117,12 @@ class FSDPWorker(MemoryBudget, Worker):
         self.flex_from = None
         self.set_up_block_masks(micro_batch_tokens)
         if self.rank == 0:
-            packs = self.layout != "padded" or not self.packs
-            layout = "" if packs else " (this model's attention lets packed sequences see each other)"
             frozen_layout = f", frozen weights: {'replicated' if replicate_frozen else 'sharded'}" if self.lora else ""
             split = f", sequence parallel: {self.sequence_parallel}" if self.sequence_group is not None else ""
             print(
                 f"{type(self).__name__}: {self.world_size} x {self.device.type}, compute: {self.compute_dtype}, "
                 f"attention: {self.attention_kernel}, "
-                f"micro-batches: {self.layout}{layout}{frozen_layout}{split}"
+                f"micro-batches: {self.layout}{frozen_layout}{split}"
             )
 
     def _init_distributed(self, master: tuple[str, int], seed: int, sequence_parallel: int = 1) -> None:
@@ -273,30 +271,15 @@ class FSDPWorker(MemoryBudget, Worker):
                 print(f"{type(self).__name__}: FlexAttention does not run here ({type(error).__name__}): dense masks instead")
             return False
 
-    @torch.no_grad()
     def _packs_exactly(self, packing: Layout, flex_from: int | None = None) -> bool:
-        """Whether packed micro-batches give this model's padded outputs (transformers keeps packed sequences apart
-        for most models): three made-up sequences that share a packed row, two of them a prompt, both ways, in the
-        precision it trains in; packed rows from `flex_from` tokens wide through block masks."""
+        """Whether packed micro-batches stand in for padded ones with this model (layouts.packing_gap, in the precision
+        it trains in; transformers keeps packed sequences apart for most models); packed rows from `flex_from` tokens
+        wide through block masks. Rank 0 says why not."""
         self.model.eval()
-        ids = torch.randint(self.model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(0))
-        ids[2, :6] = ids[0, :6]
-        attention_mask = torch.tensor([[0] * 4 + [1] * 5 + [0] * 3, [0] * 3 + [1] * 6 + [0] * 3, [0] * 4 + [1] * 7 + [0]])
-        micro = DataProto.from_dict(
-            {
-                "input_ids": ids * attention_mask,
-                "attention_mask": attention_mask,
-                "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-                "responses": ids[:, 6:],
-            }
-        ).to(self.device)
-        padded, packed = (
-            response_outputs(self.model, micro, p, self.language_model, None, self.sequence_group, flex_from).float()
-            for p in ("padded", packing)
-        )
-        if self.language_model:
-            padded, packed = torch.log_softmax(padded, -1), torch.log_softmax(packed, -1)
-        return (padded - packed).abs().max().item() <= (1e-4 if self.compute_dtype == torch.float32 else 5e-2)
+        gap = packing_gap(self.model, packing, self.language_model, self.compute_dtype, self.sequence_group, flex_from)
+        if gap is not None and self.rank == 0:
+            print(f"{type(self).__name__}: {gap}{'' if flex_from is None else ' (block masks)'}")
+        return gap is None
 
     def micro_batches(self, data: DataProto) -> list[np.ndarray]:
         """The rows of each micro-batch of `data`: `micro_batch_size` rows at a time, or with `micro_batch_tokens`, the

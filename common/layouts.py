@@ -321,3 +321,70 @@ def response_log_probs(logits: torch.Tensor, responses: torch.Tensor, temperatur
     token_log_probs = log_probs.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
     entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
     return token_log_probs, entropy
+
+
+# How far the same output may move when only the layout changes, as a share of its size (at least 1): fp32 reorders
+# sums (SmolLM2-135M's own-token log-probs by 1.3e-6 of themselves); bf16 rounds every output to 8 bits, which
+# moved them by up to 1.2% on the EPYC AVX2 machine, by different amounts on other CPUs. A sequence that sees
+# another moves them by 13% or more there.
+LAYOUT_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.05}
+
+
+@torch.no_grad()
+def packing_gap(model, packing: Layout, language_model: bool, dtype: torch.dtype, sequence_group=None,
+                flex_from: int | None = None) -> str | None:  # fmt: skip
+    """Why `packing` does not stand in for padded micro-batches with `model` (computing in `dtype`), or None where it
+    does. Three made-up sequences share packed rows, two of them a prompt. Compared, at LAYOUT_TOLERANCE[dtype]: the
+    outputs a run uses (a language model's log-prob of each sequence's own next token, a critic's value), packed and
+    padded; and, in the packed rows alone, each sequence's when the responses beside it are redrawn, which stay
+    exactly the same unless the model's attention lets packed sequences see each other, whatever the CPU or GPU.
+    response_outputs' other arguments as there."""
+    vocab_size = model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(vocab_size, (3, 12), generator=generator)
+    ids[2, :6] = ids[0, :6]
+    attention_mask = torch.tensor([[0] * 4 + [1] * 5 + [0] * 3, [0] * 3 + [1] * 6 + [0] * 3, [0] * 4 + [1] * 7 + [0]])
+    redrawn = torch.randint(vocab_size, (3, 6), generator=generator)
+    device = next(model.parameters()).device
+    response_mask = attention_mask[:, 6:].bool()
+    row_of_token = torch.arange(3)[:, None].expand(3, 6)[response_mask]
+
+    def outputs(layout: Layout, redraw: list[int]) -> torch.Tensor:
+        tokens = ids.clone()
+        tokens[redraw, 6:] = redrawn[redraw]
+        micro = DataProto.from_dict(
+            {
+                "input_ids": tokens * attention_mask,
+                "attention_mask": attention_mask,
+                "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+                "responses": tokens[:, 6:],
+            }
+        ).to(device)
+        out = response_outputs(model, micro, layout, language_model, None, sequence_group, flex_from).float().cpu()
+        if not language_model:
+            return out[:, 0]
+        return torch.log_softmax(out, -1).gather(-1, tokens[:, 6:][response_mask][:, None])[:, 0]
+
+    def moved(changed: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+        """The largest move as a share of the reference's size (at least 1), and that move."""
+        gaps = (changed - reference).abs()
+        worst = int((gaps / reference.abs().clamp(min=1)).argmax())
+        return float(gaps[worst] / reference[worst].abs().clamp(min=1)), float(gaps[worst])
+
+    tolerance, what = LAYOUT_TOLERANCE[dtype], "own-token log-probs" if language_model else "values"
+    packed = outputs(packing, [])
+    for redraw, kept in (([0, 1], [2]), ([2], [0, 1])):  # either way round: whichever sits first in a packed row
+        keep = torch.isin(row_of_token, torch.tensor(kept))
+        share, gap = moved(outputs(packing, redraw)[keep], packed[keep])
+        if share > tolerance:
+            return (
+                f"packed as {packing}, sequences' {what} moved by up to {gap:.3g} ({share:.1%}) when the responses "
+                "packed beside them were redrawn: this model's attention lets packed sequences see each other"
+            )
+    share, gap = moved(packed, outputs("padded", []))
+    if share > tolerance:
+        return (
+            f"packed as {packing}, the {what} differ from padded rows' by up to {gap:.3g} ({share:.1%}), more than "
+            f"{str(dtype).removeprefix('torch.')} allows ({tolerance:g} of their size)"
+        )
+    return None

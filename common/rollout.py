@@ -272,8 +272,12 @@ class VLLMRollout:
             memory = dict(
                 kv_cache_memory_bytes=kv_cache_bytes(model_path, max_model_len, dtype, world_size), enforce_eager=True
             )
+        # An engine sent every weight before each generation never reads the checkpoint: its weights always arrive
+        # from the policy, in its own dtype (vLLM would cast each of an fp32 checkpoint's, warning each time).
+        sent_every_weight = self.colocated and not frozen and not self.serves_adapter
         self.llm = LLM(
             model=model_path,
+            load_format="dummy" if sent_every_weight else "auto",
             tensor_parallel_size=1,
             distributed_executor_backend="external_launcher",
             dtype=dtype,

@@ -39,6 +39,7 @@ class SplitEngines:
         self.pool = ResourcePool(count, use_gpu)
         adapter_config = policy.broadcast("adapter_config")[0] if sends_adapter else None
         self.group = WorkerGroup(RolloutWorker, self.pool, "rollout", adapter_config=adapter_config, **engine_settings)
+        self.dtype = self.group.broadcast("weight_dtype")[0]  # what the policy sends the weights in
         address, size = policy.broadcast("master_address")[0], count + 1
         wait_all(policy.submit("join_weight_group", address, size), self.group.submit("join_weight_group", address, size))
         # ("weights", version, the trainer's probe log-probs, call) and
@@ -57,7 +58,7 @@ class SplitEngines:
                 call.result()
         response = self.probe["response_mask"].bool()
         trainer_probe = self.policy.scatter("probe_log_probs", self.probe.select(*LOG_PROB_INPUTS))["old_log_probs"][response]
-        self.policy.submit("send_weights", self.sends_adapter).result()
+        self.policy.submit("send_weights", self.sends_adapter, self.dtype).result()
         tokens = self.probe["input_ids"][self.probe["attention_mask"].bool()].tolist()
         receive = self.group.submit("receive_weights", version, tokens, len(trainer_probe))
         self.in_flight.append(("weights", version, trainer_probe, receive))

@@ -39,6 +39,7 @@ class Run:
         import torch
 
         from common.checkpoint import check_config, find_checkpoint
+        from common.console import start_console
         from common.data import PromptLoader, load_prompts
         from common.envs import load_env
         from common.pretrained import resolve as resolve_model
@@ -87,6 +88,7 @@ class Run:
         # the code that made the curve, and in wandb the experiment's group with the algorithm as a tag
         provenance = dict(script=script, group=args.exp_name, tags=(algo,))
         self.tracker = Tracker(self.run_prefix, dataclasses.asdict(args), self.resume_from, **wandb, **provenance)
+        start_console(self.tracker.run_dir)  # the console a person reads; all of it in the run's folder
 
         reward_workers = args.reward_workers
         if reward_workers is None:

@@ -122,18 +122,19 @@ def lora_scaling(model) -> dict[str, float]:
     return {name: module.scaling[ADAPTER] for name, module in model.named_modules() if isinstance(module, LoraLayer)}
 
 
-def engine_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+def engine_weights(model, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, tensor) of every weight of a sharded policy, a LoRA adapter merged in, gathered one FSDP
-    unit at a time (a collective: call every rank)."""
+    unit at a time (a collective: call every rank); in `dtype`, the one the engine keeps, before they travel (None:
+    as FSDP gathers them)."""
     lora = hasattr(model, "peft_config")
     scaling = lora_scaling(model) if lora else {}
     for unit in gathered_units(model):
-        yield from (merged_weights(unit, scaling) if lora else base_weights(unit)).items()
+        for name, tensor in (merged_weights(unit, scaling) if lora else base_weights(unit)).items():
+            yield name, tensor if dtype is None else tensor.to(dtype)
 
 
 def engine_layout(model, dtype: torch.dtype) -> list[tuple[str, list[int], str]]:
-    """layout_of what engine_weights yields, known before any gather: each weight's whole shape, in `dtype`, the one
-    FSDP gathers in (its param_dtype)."""
+    """layout_of what engine_weights yields in `dtype`, known before any gather: each weight's whole shape."""
     lora = hasattr(model, "peft_config")
     layout = []
     for _, names in _units(model):

@@ -221,12 +221,13 @@ class PolicyWorker(FSDPWorker, EngineWorker):
             self.sender, self.sending = ThreadPoolExecutor(max_workers=1), None
 
     @measured
-    def send_weights(self, adapter: bool) -> None:
+    def send_weights(self, adapter: bool, dtype: str | None = None) -> None:
         """The policy as it is now, to every rollout worker: its LoRA adapter alone, or every weight (an adapter
-        merged in). A collective: every rank gathers, one FSDP unit at a time. Rank 0 packs what it gathers into
-        buckets in CPU memory, which a thread sends (weight_sync.send_buckets) as each fills, to engines that join
-        when they are done with what they are generating: the policy trains meanwhile. One version at a time: the
-        next waits until the engines took this one."""
+        merged in) in `dtype`, the one the engines keep (None: the compute dtype), cast before it travels. A
+        collective: every rank gathers, one FSDP unit at a time. Rank 0 packs what it gathers into buckets in CPU
+        memory, which a thread sends (weight_sync.send_buckets) as each fills, to engines that join when they are done
+        with what they are generating: the policy trains meanwhile. One version at a time: the next waits until the
+        engines took this one."""
         if self.rank == 0 and self.sending is not None:
             self.sending.result()  # raises what went wrong in the thread
         if adapter:
@@ -236,12 +237,13 @@ class PolicyWorker(FSDPWorker, EngineWorker):
                 send = weight_sync.send_tensors
                 self.sending = self.sender.submit(send, self.weight_group, copy, self.device, self.weight_bucket_bytes)
             return
-        weights = weight_sync.engine_weights(self.model)
+        dtype = getattr(torch, dtype) if dtype else self.compute_dtype
+        weights = weight_sync.engine_weights(self.model, dtype)
         if self.rank != 0:
             for _ in weights:  # the gathers of every unit
                 pass
             return
-        layout = weight_sync.engine_layout(self.model, self.compute_dtype)
+        layout = weight_sync.engine_layout(self.model, dtype)
         filled = queue.SimpleQueue()
 
         def buckets():
@@ -425,6 +427,11 @@ class RolloutWorker(EngineWorker):
             lora_sync="adapter" if adapter_config is not None else "merged",
             adapter_config=adapter_config,
         )
+
+    def weight_dtype(self) -> str:
+        """The dtype the engine keeps its weights in, which the policy sends them in."""
+        dtype = self.rollout.dtype if isinstance(self.rollout, VLLMRollout) else self.model.dtype
+        return str(dtype).removeprefix("torch.")
 
     def join_weight_group(self, address: tuple[str, int], size: int) -> None:
         """Join the policy's rank 0 in the weight group, as rank 1 and up (see weight_sync.join_group)."""

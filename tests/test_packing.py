@@ -9,6 +9,7 @@ import torch
 from common.dataproto import DataProto
 from common.layouts import (
     balanced_parts,
+    packing_gap,
     chunked_log_probs,
     head_outputs_pass_through,
     pack_rows,
@@ -193,6 +194,55 @@ def test_attention_that_crosses_sequences_would_be_caught(tiny_model):
     crossing = model(input_ids=torch.cat([first, second])[None], position_ids=positions).logits[0, len(first) :]
     alone = model(input_ids=second[None], position_ids=positions[:, len(first) :]).logits[0]
     assert (torch.log_softmax(crossing, -1) - torch.log_softmax(alone, -1)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_packing_check_catches_attention_that_crosses_sequences_in_either_dtype(tiny_model, dtype):
+    """The check each worker makes at setup (FSDPWorker._packs_exactly), on the tiny model: it passes as transformers
+    keeps packed sequences apart; once positions run on across a packed row without a mask, it names the leak, in
+    fp32 and bf16 alike (the sequences beside redrawn responses move, in the same layout, beyond any rounding)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=dtype, attn_implementation="sdpa").eval()
+    for packing in ("rows", "shared prompts"):
+        assert packing_gap(model, packing, True, dtype) is None
+
+    def one_sequence_per_row(module, args, kwargs):
+        ids = kwargs["input_ids"]
+        kwargs["position_ids"] = torch.arange(ids.shape[1], device=ids.device)[None].expand_as(ids)
+        kwargs.pop("attention_mask", None)
+        return args, kwargs
+
+    model.register_forward_pre_hook(one_sequence_per_row, with_kwargs=True)
+    for packing in ("rows", "shared prompts"):
+        assert "this model's attention lets packed sequences see each other" in packing_gap(model, packing, True, dtype)
+
+
+BF16_CHECK = """
+import torch
+from transformers import AutoModelForCausalLM
+from common.layouts import packing_gap
+model = AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+gaps = [packing_gap(model, packing, True, torch.bfloat16) for packing in ("rows", "shared prompts")]
+print(torch.backends.cpu.get_cpu_capability(), gaps)
+"""
+
+
+@pytest.mark.parametrize("capability", ["avx2", "default"])
+def test_the_packing_check_passes_in_bf16_whatever_the_cpus_kernels(smollm2, capability):
+    """SmolLM2-135M in bf16 under ATEN_CPU_CAPABILITY avx2 (the EPYC AVX2 machine's own) and default (no vector
+    kernels), standing in for CPUs whose bf16 rounds differently: packed rows and shared prompts pass the check. Its
+    earlier form (the vocabulary's log-probs within 0.05 of the padded rows') failed here: bf16 alone moved them by 0.41."""
+    import os
+    import subprocess
+    import sys
+
+    env = os.environ | {"ATEN_CPU_CAPABILITY": capability}
+    result = subprocess.run(
+        [sys.executable, "-c", BF16_CHECK.format(path=smollm2)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-3:] == [capability.upper(), "[None,", "None]"], result.stdout
 
 
 def test_balanced_parts_deal_the_heaviest_first_to_the_lightest_part():

@@ -43,10 +43,11 @@ class SyncProbe(PolicyProbe):
                     local = param.to_local()
                     local.copy_(torch.randn(local.shape, generator=generator))
 
-    def engine_weights(self) -> dict:
-        """What the engine would receive, on the CPU, and how many parameters were whole as each tensor was handed over."""
+    def engine_weights(self, dtype: torch.dtype | None = None) -> dict:
+        """What the engine would receive (in `dtype`), on the CPU, and how many parameters were whole as each tensor was
+        handed over."""
         weights, whole_at_handover = {}, []
-        for name, tensor in engine_weights(self.model):
+        for name, tensor in engine_weights(self.model, dtype):
             whole_at_handover.append(sum(p.numel() for p in self.model.parameters() if not isinstance(p, DTensor)))
             weights[name] = tensor.to("cpu", copy=True)  # the gathered storage is freed with its unit
         return dict(weights=weights, whole_at_handover=whole_at_handover)
@@ -61,6 +62,7 @@ def test_full_weights_are_gathered_one_unit_at_a_time_under_checkpoint_names(cpu
         probe.broadcast("perturb", "")  # as after training: no weight equals what the checkpoint holds
         expected = probe.broadcast("full_state_dict")[0]
         rank0, rank1 = probe.broadcast("engine_weights")
+        bf16 = probe.broadcast("engine_weights", torch.bfloat16)[0]["weights"]  # a bf16 engine's: half the bytes
     finally:
         probe.shutdown()
     assert set(expected) == {
@@ -72,6 +74,7 @@ def test_full_weights_are_gathered_one_unit_at_a_time_under_checkpoint_names(cpu
     for name, tensor in expected.items():
         torch.testing.assert_close(rank0["weights"][name], tensor, rtol=0, atol=0)
         torch.testing.assert_close(rank1["weights"][name], tensor, rtol=0, atol=0)
+        assert bf16[name].dtype == torch.bfloat16 and torch.equal(bf16[name], tensor.to(torch.bfloat16))
     # while a tensor is handed over, only its own unit is whole (a decoder layer, or the root's
     # embeddings and norm), never the whole model
     layer_names = [name for name in expected if name.startswith("model.layers.0.")]

@@ -1,0 +1,101 @@
+"""The console a person reads, and all of it in the run's folder.
+
+A run's console shows the run's own lines and its progress bar. The workers' output reaches it too: Ray forwards
+every line a worker prints to the driver's sys.stdout and sys.stderr, prefixed with the worker's name and pid, and
+the libraries there (vLLM, torch, transformers) warn and hint in every process, often once per tensor or per call.
+Each line still goes to console.log in the run's folder; the console shows a worker's line once (the same line
+from another worker, or with other numbers in it, is a repeat), and none of the hints that do not apply to a run or
+that its user cannot act on (HIDDEN).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+# Library lines that say nothing a run's user can act on: vLLM's CPU backend hints at preloading libraries and binding
+# NUMA nodes a run does not control, notes the Triton, torch.compile and oneDNN paths it does not take, and Ray notes
+# its own start, log deduplication and authentication. Logged, not shown.
+HIDDEN = re.compile(
+    "|".join(
+        [
+            r"is not found in LD_PRELOAD",
+            r"NUMA binding",
+            r"Triton is installed, but doesn't include CPU backend",
+            r"Triton is not installed",
+            r"Model Runner V2 requires Triton",
+            r"Enforce eager set, disabling torch\.compile",
+            r"Inductor compilation was disabled",
+            r"doesn't allow to use `torch\.set_num_threads`",
+            r"Failed to create oneDNN linear",
+            r"Ray deduplicates logs by default",
+            r"Token authentication is enabled for this Ray cluster",
+            r"Started a local Ray instance",
+        ]
+    )
+)
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# Ray's prefix of a forwarded line, "(PolicyWorker pid=123)" or "(pid=123, ip=...)", and vLLM's of its own processes
+WORKER = re.compile(r"^\((?:[\w.]+ )?pid=\d+(?:, ip=[^)]*)?\)\s?")
+PROGRESS = re.compile(r"\d+%[^|]*\|")  # a library's progress bar, as a worker's line: loading or writing weights
+# Where a library's line comes from, "[utils.py:333]" or "fsdp_state.py:331:": one warning, whatever tensor it names
+SOURCE = re.compile(r"[\w.-]+\.py:\d+")
+
+
+class Console:
+    """A stream that writes everything to `log` and shows on `shown` what a person reads (see the module's doc)."""
+
+    def __init__(self, shown, log):
+        self.shown, self.log, self.pending, self.seen = shown, log, "", set()
+
+    def write(self, text: str) -> int:
+        self.log.write(text)
+        if text.startswith("\r") and not self.pending:  # the progress bar redrawn in place
+            self.shown.write(text)
+            return len(text)
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            if self.shows(line):
+                self.shown.write(line + "\n")
+        return len(text)
+
+    def shows(self, line: str) -> bool:
+        """Whether the console shows `line`: the run's own lines always; a worker's line the first time only."""
+        plain = ANSI.sub("", line)
+        if HIDDEN.search(plain):
+            return False
+        message = WORKER.sub("", plain)
+        if message == plain:
+            return True
+        message = re.sub(r"\[repeated \d+x across cluster\].*", "", WORKER.sub("", message))
+        if not message.strip() or PROGRESS.search(message):
+            return False
+        source = SOURCE.search(message)
+        key = source.group() if source else " ".join(word for word in message.split() if not re.search(r"\d", word))
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+    def flush(self) -> None:
+        self.log.flush()
+        self.shown.flush()
+
+    def isatty(self) -> bool:
+        return self.shown.isatty()
+
+    def fileno(self) -> int:
+        return self.shown.fileno()
+
+    def __getattr__(self, name):  # encoding, errors and the rest, as the stream shown has them
+        return getattr(self.shown, name)
+
+
+def start_console(run_dir: Path) -> None:
+    """From now on, this process's output goes whole to `run_dir`/console.log and, as Console filters it, to the
+    console."""
+    log = open(run_dir / "console.log", "a", buffering=1)
+    sys.stdout, sys.stderr = Console(sys.stdout, log), Console(sys.stderr, log)
+    print(f"the run's whole output, the workers' included: {run_dir / 'console.log'}")

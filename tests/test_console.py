@@ -1,0 +1,53 @@
+"""The console a person reads (common/console.py): Ray workers' repeated warnings shown once, hints hidden, and all of
+it in the run's folder."""
+
+import subprocess
+import sys
+
+from conftest import ROOT
+
+DRIVER = """
+import logging, sys, warnings
+from pathlib import Path
+import ray
+from common.console import start_console
+from common.run import init_ray
+
+init_ray()
+start_console(Path(sys.argv[1]))
+
+@ray.remote
+def load(worker):
+    logger = logging.getLogger("vllm.model_executor.models.utils")
+    vllm_format = "(MainProcess pid=%(process)d) %(levelname)s [utils.py:333] %(message)s"
+    logging.basicConfig(stream=sys.stdout, format=vllm_format, force=True)
+    for name in ("embed_tokens.weight", "layers.0.mlp.up_proj.weight", "layers.1.mlp.up_proj.weight", "norm.weight"):
+        logger.warning("Attempted to load weight %s with dtype torch.float32 into parameter with dtype torch.bfloat16", name)
+    logger.warning("libtcmalloc is not found in LD_PRELOAD. For best performance, please follow ...")
+    warnings.warn("a library's deprecation, once per process")
+    print(f"worker {'AB'[worker]} ready")
+
+ray.get([load.remote(worker) for worker in range(2)])
+print("the run's own line")
+sys.stdout.flush()
+ray.shutdown()
+"""
+
+
+def test_workers_repeated_warnings_show_once_hints_never_and_the_log_keeps_all(ray_cluster, tmp_path):
+    """Two Ray tasks each warn per tensor as vLLM's weight loader does, hint at a library to preload, and raise a
+    Python warning, forwarded by Ray to a driver that started the console: the console shows the per-tensor warning
+    and the Python warning once, the hint never, the workers' and the run's own lines; console.log in the run's
+    folder has every line."""
+    result = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    console = (result.stdout + result.stderr).splitlines()
+    log = (tmp_path / "console.log").read_text()
+    assert sum("Attempted to load weight" in line for line in console) == 1
+    assert sum("UserWarning: a library's deprecation" in line for line in console) == 1
+    assert not any("LD_PRELOAD" in line for line in console)
+    assert "the run's own line" in console and sum("ready" in line for line in console) == 2
+    assert log.count("libtcmalloc is not found in LD_PRELOAD") >= 1 and "the run's own line" in log
+    assert log.count("Attempted to load weight") >= 4  # Ray folds some repeats into "[repeated Nx across cluster]"
