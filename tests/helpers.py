@@ -14,14 +14,17 @@ from collections import defaultdict
 from functools import partial
 from pathlib import Path
 
+import grpo_hybrid
 import numpy as np
 import torch
 from ray import cloudpickle
 
-import grpo_hybrid
+from common.attention import register as register_flex
+from common.attention import register_varlen
 from common.dataproto import DataProto
-from common.memory import measured
 from common.envs import run_episodes
+from common.layouts import response_log_probs, response_outputs, rows_of
+from common.memory import measured
 from common.workers import CriticWorker, PolicyWorker
 
 # The probes travel to the workers by value: the workers have no tests folder to import them from.
@@ -272,3 +275,62 @@ def train(policy, batch, steps=3, advantages=None):
 def gap(batch, name="old_log_probs"):
     mask = batch["response_mask"].bool()
     return (batch[name] - batch["rollout_log_probs"]).abs()[mask].max().item()
+
+
+def uneven_batch(vocab_size: int, scale: int = 1) -> DataProto:
+    """Left-padded prompts of 1 to 7 tokens and right-padded responses of 1 to 6 (`scale` times as long); rows 4 and 5
+    sample the prompts of rows 0 and 1 again, row 6 that of row 0 a third time."""
+    prompt_lengths, response_lengths = torch.tensor([7, 3, 5, 1, 7, 3, 7]) * scale, torch.tensor([6, 1, 3, 2, 4, 6, 2]) * scale
+    prompt, response = 7 * scale, 6 * scale
+    prompt_mask = (torch.arange(prompt)[None] >= prompt - prompt_lengths[:, None]).long()
+    response_mask = (torch.arange(response)[None] < response_lengths[:, None]).long()
+    attention_mask = torch.cat([prompt_mask, response_mask], -1)
+    input_ids = torch.randint(3, vocab_size, attention_mask.shape, generator=torch.Generator().manual_seed(0))
+    input_ids[[4, 5, 6], :prompt] = input_ids[[0, 1, 0], :prompt]
+    input_ids = input_ids * attention_mask
+    return DataProto.from_dict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+            "responses": input_ids[:, prompt:],
+        }
+    )
+
+
+def long_batch(vocab_size: int) -> DataProto:
+    """The uneven batch at twenty times its lengths: prompts of 20 to 140 tokens, responses of 20 to 120;
+    its packed rows span several of FlexAttention's 128-token blocks, some of them full, some partial, some empty."""
+    return uneven_batch(vocab_size, scale=20)
+
+
+def outputs_of(model_path: str, device: str, dtype: torch.dtype, attention: str, layout: str, flex_from: int | None = None):
+    """The log-probs, entropies and gradients of a loss over the long batch (long_batch), the model's weights in `dtype`
+    loaded with `attention`, its micro-batch in `layout` (through block masks from `flex_from` tokens wide)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attention).to(device)
+    batch = long_batch(model.config.vocab_size).to(device)
+    mask = batch["attention_mask"][:, 140:].bool()
+    with torch.no_grad():
+        logits = response_outputs(model.eval(), batch, layout, language_model=True, flex_from=flex_from)
+        log_probs, entropy = response_log_probs(logits.float(), batch["responses"][mask], 1.0, with_entropy=True)
+    logits = response_outputs(model.train(), batch, layout, language_model=True, flex_from=flex_from)
+    trained, _ = response_log_probs(logits.float(), batch["responses"][mask], 1.0, with_entropy=False)
+    (-(trained * torch.linspace(-1, 1, len(trained), device=device)).mean()).backward()
+    gradients = {name: p.grad.float().cpu() for name, p in model.named_parameters()}
+    return rows_of(log_probs, mask).cpu(), rows_of(entropy, mask).cpu(), gradients
+
+
+def flex_against_padded(model_path: str, device: str, layout: str):
+    """(padded, through block masks) each as outputs_of, the model in fp32; with gradients, the block masks where
+    runs_flex lets them run (not on the CPU)."""
+    attention = register_flex()
+    padded = outputs_of(model_path, device, torch.float32, attention, "padded")
+    return [padded, outputs_of(model_path, device, torch.float32, attention, layout, flex_from=0)]
+
+
+def varlen_against_padded(model_path: str, device: str, dtype: torch.dtype):
+    """(padded through SDPA, packed in one row through the varlen attention), each as outputs_of, weights in `dtype`."""
+    padded = outputs_of(model_path, device, dtype, "sdpa", "padded")
+    return [padded, outputs_of(model_path, device, dtype, register_varlen(), "one row")]

@@ -4,10 +4,10 @@ it in the run's folder."""
 import subprocess
 import sys
 
-from conftest import ROOT
+from helpers import ROOT
 
 DRIVER = """
-import logging, sys, warnings
+import logging, sys, time, warnings
 from pathlib import Path
 import ray
 from common.console import start_console
@@ -29,6 +29,10 @@ def load(worker):
 
 ray.get([load.remote(worker) for worker in range(2)])
 print("the run's own line")
+# Ray forwards the workers' lines on its own time: wait for the last each worker wrote to its stdout and its stderr
+log, deadline = Path(sys.argv[1], "console.log"), time.time() + 120
+while (log.read_text().count("ready") < 2 or "UserWarning" not in log.read_text()) and time.time() < deadline:
+    time.sleep(0.2)
 sys.stdout.flush()
 ray.shutdown()
 """

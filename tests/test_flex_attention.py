@@ -6,18 +6,14 @@ GPU, where the gradients go through the block masks."""
 
 import pytest
 import torch
+from helpers import flex_against_padded, long_batch
 
-from common.attention import CPU_WIDTH, GPU_WIDTH, flex_from, packed_segments, register, runs_flex, segment_block_mask
-from common.dataproto import DataProto
-from common.layouts import response_log_probs, response_outputs, rows_of, same_prompts, shared_prompt_mask
-from common.layouts import shared_prompt_places
-from test_packing import uneven_batch
-
-
-def long_batch(vocab_size: int) -> DataProto:
-    """test_packing's uneven batch at twenty times its lengths: prompts of 20 to 140 tokens, responses of 20 to 120;
-    its packed rows span several of FlexAttention's 128-token blocks, some of them full, some partial, some empty."""
-    return uneven_batch(vocab_size, scale=20)
+from common.attention import CPU_WIDTH, GPU_WIDTH, flex_from, packed_segments, runs_flex, segment_block_mask
+from common.layouts import (
+    same_prompts,
+    shared_prompt_mask,
+    shared_prompt_places,
+)
 
 
 def block_mask_agrees(block_mask, dense: torch.Tensor) -> bool:
@@ -58,28 +54,6 @@ def test_block_masks_say_who_sees_whom_as_the_dense_masks_do():
     causal = torch.ones(300, 300, dtype=torch.bool).tril()
     dense = ((sequence[:, :, None] == sequence[:, None, :]) & causal)[:, None]
     assert block_mask_agrees(segment_block_mask(sequence), dense)
-
-
-def flex_against_padded(model_path: str, device: str, layout: str):
-    """(padded, through block masks) each as log-probs, entropies and gradients of a loss over the long batch, the
-    model in fp32; with gradients, the block masks where runs_flex lets them run (not on the CPU)."""
-    from transformers import AutoModelForCausalLM
-
-    results, attention = [], register()
-    for flex in (None, 0):
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attention).to(device)
-        batch = long_batch(model.config.vocab_size).to(device)
-        mask = batch["attention_mask"][:, 140:].bool()
-        run = "padded" if flex is None else layout
-        with torch.no_grad():
-            logits = response_outputs(model.eval(), batch, run, language_model=True, flex_from=flex)
-            log_probs, entropy = response_log_probs(logits, batch["responses"][mask], 1.0, with_entropy=True)
-        logits = response_outputs(model.train(), batch, run, language_model=True, flex_from=flex)
-        trained, _ = response_log_probs(logits, batch["responses"][mask], 1.0, with_entropy=False)
-        (-(trained * torch.linspace(-1, 1, len(trained), device=device)).mean()).backward()
-        gradients = {name: p.grad.cpu() for name, p in model.named_parameters()}
-        results.append((rows_of(log_probs, mask).cpu(), rows_of(entropy, mask).cpu(), gradients))
-    return results
 
 
 @pytest.mark.parametrize("layout", ["rows", "shared prompts"])

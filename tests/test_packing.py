@@ -5,14 +5,14 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
+from helpers import uneven_batch
 
-from common.dataproto import DataProto
 from common.layouts import (
     balanced_parts,
-    packing_gap,
     chunked_log_probs,
     head_outputs_pass_through,
     pack_rows,
+    packing_gap,
     part_loads,
     response_log_probs,
     response_outputs,
@@ -21,27 +21,6 @@ from common.layouts import (
     shared_prompt_mask,
     shared_prompt_places,
 )
-
-
-def uneven_batch(vocab_size: int, scale: int = 1) -> DataProto:
-    """Left-padded prompts of 1 to 7 tokens and right-padded responses of 1 to 6 (`scale` times as long); rows 4 and 5
-    sample the prompts of rows 0 and 1 again, row 6 that of row 0 a third time."""
-    prompt_lengths, response_lengths = torch.tensor([7, 3, 5, 1, 7, 3, 7]) * scale, torch.tensor([6, 1, 3, 2, 4, 6, 2]) * scale
-    prompt, response = 7 * scale, 6 * scale
-    prompt_mask = (torch.arange(prompt)[None] >= prompt - prompt_lengths[:, None]).long()
-    response_mask = (torch.arange(response)[None] < response_lengths[:, None]).long()
-    attention_mask = torch.cat([prompt_mask, response_mask], -1)
-    input_ids = torch.randint(3, vocab_size, attention_mask.shape, generator=torch.Generator().manual_seed(0))
-    input_ids[[4, 5, 6], :prompt] = input_ids[[0, 1, 0], :prompt]
-    input_ids = input_ids * attention_mask
-    return DataProto.from_dict(
-        {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-            "responses": input_ids[:, prompt:],
-        }
-    )
 
 
 @pytest.mark.parametrize("packing", ["rows", "one row", "shared prompts"])

@@ -5,32 +5,10 @@ through SDPA in turn (its fallback), which these tests check against padded micr
 read off the position ids as on a GPU; tests/gpu/test_one_device.py runs the kernel itself against the padded rows."""
 
 import torch
+from helpers import long_batch, varlen_against_padded
 
-from common.attention import VARLEN, choose, register_varlen, sequence_bounds
+from common.attention import VARLEN, choose, sequence_bounds
 from common.fsdp_worker import attention_implementation
-from common.layouts import response_log_probs, response_outputs, rows_of
-from test_flex_attention import long_batch
-
-
-def varlen_against_padded(model_path: str, device: str, dtype: torch.dtype):
-    """(padded through SDPA, packed in one row through the varlen attention), each as the log-probs, entropies and
-    gradients of a loss over the long batch, the model's weights in `dtype`."""
-    from transformers import AutoModelForCausalLM
-
-    results = []
-    for attention, layout in (("sdpa", "padded"), (register_varlen(), "one row")):
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attention).to(device)
-        batch = long_batch(model.config.vocab_size).to(device)
-        mask = batch["attention_mask"][:, 140:].bool()
-        with torch.no_grad():
-            logits = response_outputs(model.eval(), batch, layout, language_model=True)
-            log_probs, entropy = response_log_probs(logits.float(), batch["responses"][mask], 1.0, with_entropy=True)
-        logits = response_outputs(model.train(), batch, layout, language_model=True)
-        trained, _ = response_log_probs(logits.float(), batch["responses"][mask], 1.0, with_entropy=False)
-        (-(trained * torch.linspace(-1, 1, len(trained), device=device)).mean()).backward()
-        gradients = {name: p.grad.float().cpu() for name, p in model.named_parameters()}
-        results.append((rows_of(log_probs, mask).cpu(), rows_of(entropy, mask).cpu(), gradients))
-    return results
 
 
 def test_a_worker_takes_flash_attn_then_torchs_varlen_kernel_on_ampere_gpus_in_bf16_and_sdpa_elsewhere():

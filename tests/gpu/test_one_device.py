@@ -7,15 +7,13 @@ an update out of the GPU's memory."""
 from contextlib import contextmanager
 from functools import partial
 
+import grpo_hybrid
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import flex_against_padded, uneven_batch, varlen_against_padded
 from torch.distributed.tensor import DTensor
-from test_flex_attention import flex_against_padded
-from test_packing import uneven_batch
-from test_varlen_attention import varlen_against_padded
 
-import grpo_hybrid
 from common.attention import ATTENTION, CPU_WIDTH, GPU_WIDTH, VARLEN
 from common.dataproto import DataProto
 from common.workers import PolicyWorker, measured
