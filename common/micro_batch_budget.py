@@ -81,6 +81,9 @@ class MemoryBudget:
         step's temporaries count as three copies of the trainable weights. Every rank takes the smallest of the
         ranks' budgets; rank 0 prints it. Returns this rank's budget and measurements, in tokens and bytes."""
         longest = max_prompt_length + max_response_length
+        # Rows as wide as the longest sequence, whatever setup was told; decided first, so that what the block masks'
+        # check leaves in memory (FlexAttention's compiled kernels) is in the measurement
+        self.set_up_block_masks(longest)
         vocab_size = self.model.config.vocab_size
         half = made_up_sequence(vocab_size, max(1, max_prompt_length // 2), max(1, max_response_length // 2))
         whole = made_up_sequence(vocab_size, max_prompt_length, max_response_length)
@@ -99,7 +102,6 @@ class MemoryBudget:
             needs = (fixed + optimizer_bytes + per_token * PER_TOKEN_MARGIN * longest) / 2**30
             raise ValueError(self._does_not_fit(longest, f"needs about {needs:.2f} GB"))
         self.micro_batch_tokens = max(longest, int(tokens) // GRANULE * GRANULE)
-        self.set_up_block_masks(longest)  # rows as wide as the longest sequence, whatever setup was told
         if self.rank == 0:
             print(
                 f"{type(self).__name__}: micro-batches of at most {self.micro_batch_tokens} tokens (--micro-batch-tokens "

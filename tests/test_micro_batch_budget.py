@@ -99,7 +99,9 @@ def test_auto_budget_keeps_within_the_share_and_an_update_over_it_retries_at_hal
             torch.testing.assert_close(after_retry[name], value, rtol=1e-5, atol=1e-6)
 
         group.broadcast("set", micro_batch_tokens=4 * LONGEST, memory_limit=int(2 * peaks[0] - peaks[1]))  # 2 are over
-        with pytest.raises(Exception, match="the resident set peaked at .* GB, over the .* GB a worker may use"):
+        # the error of whichever rank the scatter hears from first: the one over its share, or one that heard of it
+        over = "the resident set peaked at .* GB, over the .* GB a worker may use|another rank ran out of memory at"
+        with pytest.raises(Exception, match=over):
             update()
     finally:
         group.shutdown()
