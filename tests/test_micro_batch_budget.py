@@ -78,14 +78,13 @@ def test_auto_budget_keeps_within_the_share_and_an_update_over_it_retries_at_hal
         # either peak (130-175 MB on the EPYC AVX2 machine), where a retry's peak came within 45 MB of its measure;
         # an update that reuses the kept pages instead peaks 200 MB lower than a retry, too close to the limit.
         group.broadcast("set_up_block_masks", LONGEST)
-        peaks = []
-        for sequences in (8, 4):
+        peak = {}
+        for sequences in (8, 4):  # the smaller after the larger, as a retry comes after the attempt over the limit
             group.broadcast("set", micro_batch_tokens=sequences * LONGEST)
             group.broadcast("give_back_freed_memory")
             update()
-            peaks.append(max(rank["update"] for rank in group.broadcast("phase_peak_memory")) * 2**30)
-        limit = (peaks[0] + peaks[1]) / 2
-        peaks.reverse()  # at 4, at 8 sequences
+            peak[sequences] = max(rank["update"] for rank in group.broadcast("phase_peak_memory")) * 2**30
+        limit = (peak[4] + peak[8]) / 2
         group.broadcast("keep_memory_within", limit * 2 / machine_memory_bytes(), 1)
         [fit, _] = group.broadcast("fit_micro_batch_tokens", PROMPT, RESPONSE)
         assert LONGEST <= fit["tokens"] < 8 * LONGEST and fit["per_token_bytes"] > 0
@@ -108,7 +107,7 @@ def test_auto_budget_keeps_within_the_share_and_an_update_over_it_retries_at_hal
         for name, value in group.broadcast("full_state_dict")[0].items():
             torch.testing.assert_close(after_retry[name], value, rtol=1e-5, atol=1e-6)
 
-        group.broadcast("set", micro_batch_tokens=8 * LONGEST, memory_limit=int(2 * peaks[0] - peaks[1]))  # 2 are over
+        group.broadcast("set", micro_batch_tokens=8 * LONGEST, memory_limit=int(2 * peak[4] - peak[8]))  # 2 are over
         # the error of whichever rank the scatter hears from first: the one over its share, or one that heard of it
         over = "the resident set peaked at .* GB, over the .* GB a worker may use|another rank ran out of memory at"
         with pytest.raises(Exception, match=over):
