@@ -35,11 +35,9 @@ def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
     return result
 
 
-def run_hybridrl(steps: int, env: dict, extra_flags: list[str]) -> dict:
+def run_hybridrl(flags: list[str], env: dict) -> dict:
     """The GRPO script's own per-phase timers, from its metrics.jsonl; the peak memory of its driver and workers."""
     folder = Path(tempfile.mkdtemp(prefix="bench_trl_hybridrl_"))
-    flags = ["--model-path", "smollm2", "--total-steps", str(steps), "--test-freq", str(steps), "--no-val-before-train"]
-    flags += extra_flags
     # The script under runpy, to read its own peak: its Ray workers are its children, which RUSAGE_CHILDREN would count.
     measured = (
         "import resource, runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__'); "
@@ -54,18 +52,32 @@ def run_hybridrl(steps: int, env: dict, extra_flags: list[str]) -> dict:
     # Each worker method's peak, from its own start (see common/memory.measured), the largest over ranks and steps.
     methods = sorted({key for row in rows for key in row if key.startswith("perf/peak_memory_gb/policy/")})
     worker = ", ".join(f"{key.rsplit('/', 1)[1]} {max(row[key] for row in rows):.2f}" for key in methods)
-    return dict(step=mean.pop("step"), phases=mean, memory=f"driver {driver_gb:.2f} GB; a worker's, by method: {worker} GB")
+    response = sum(row["response/length_mean"] for row in rows) / len(rows)
+    memory = f"driver {driver_gb:.2f} GB; a worker's, by method: {worker} GB"
+    return dict(step=mean.pop("step"), phases=mean, memory=memory, response_length=response)
 
 
-def run_trl(trl_python: str, steps: int, bf16: bool, model_path: str, train_file: str) -> dict:
+def run_trl(trl_python: str, steps: int, bf16: bool, model_path: str, train_file: str, sizes: str = "") -> dict:
+    """TRL's run in its own environment; `sizes`, a JSON object, changes trl_worker's keyword arguments."""
     command = [trl_python, __file__, "--trl-worker", "--steps", str(steps), "--model", model_path, "--data", train_file]
-    result = run(command + (["--bf16"] if bf16 else []))
+    result = run(command + (["--bf16"] if bf16 else []) + (["--sizes", sizes] if sizes else []))
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def trl_worker(steps: int, bf16: bool, model_path: str, train_file: str) -> None:
-    """Runs in TRL's environment: GRPOTrainer for `steps` steps, timing each step and its phases."""
+def trl_worker(
+    steps: int,
+    bf16: bool,
+    model_path: str,
+    train_file: str,
+    prompts: int = PROMPTS,
+    samples: int = SAMPLES,
+    new_tokens: int = NEW_TOKENS,
+    micro_batch: int = PROMPTS * SAMPLES,
+) -> None:
+    """Runs in TRL's environment: GRPOTrainer for `steps` steps, timing each step and its phases; on the GPU if there
+    is one, each optimiser step over `prompts` x `samples` sequences in micro-batches of `micro_batch`."""
     import pyarrow.parquet as pq
+    import torch
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import TrainerCallback
@@ -82,9 +94,10 @@ def trl_worker(steps: int, bf16: bool, model_path: str, train_file: str) -> None
 
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="bench_trl_"),
-        per_device_train_batch_size=PROMPTS * SAMPLES,
-        num_generations=SAMPLES,
-        max_completion_length=NEW_TOKENS,
+        per_device_train_batch_size=micro_batch,
+        gradient_accumulation_steps=prompts * samples // micro_batch,  # one optimiser step per generated batch
+        num_generations=samples,
+        max_completion_length=new_tokens,
         temperature=1.0,
         learning_rate=LR,
         beta=KL,
@@ -93,7 +106,7 @@ def trl_worker(steps: int, bf16: bool, model_path: str, train_file: str) -> None
         gradient_checkpointing=False,
         disable_dropout=True,
         bf16=bf16,
-        use_cpu=True,
+        use_cpu=not torch.cuda.is_available(),
         logging_steps=1,
         report_to=[],
         save_strategy="no",
@@ -134,8 +147,13 @@ def trl_worker(steps: int, bf16: bool, model_path: str, train_file: str) -> None
     trainer.train()
     measured = per_step[1:]
     mean = {key: sum(step[key] for step in measured) / len(measured) for key in measured[0]}
-    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(json.dumps(dict(step=mean.pop("step"), phases=mean, memory=f"one process {peak_gb:.2f} GB")))
+    if torch.cuda.is_available():
+        memory = f"GPU {torch.cuda.max_memory_allocated() / 2**30:.2f} GB"
+    else:
+        memory = f"one process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB"
+    lengths = [row["completions/mean_length"] for row in trainer.state.log_history if "completions/mean_length" in row]
+    response = sum(lengths[1:]) / len(lengths[1:])
+    print(json.dumps(dict(step=mean.pop("step"), phases=mean, memory=memory, response_length=response)))
 
 
 if __name__ == "__main__":
@@ -148,9 +166,10 @@ if __name__ == "__main__":
     parser.add_argument("--bf16", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
+    parser.add_argument("--sizes", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_worker:
-        trl_worker(args.steps, args.bf16, args.model, args.data)
+        trl_worker(args.steps, args.bf16, args.model, args.data, **json.loads(args.sizes))
         sys.exit()
     if not args.trl_python:
         parser.error("--trl-python is missing: the Python of an environment with TRL (see above)")
@@ -164,7 +183,8 @@ if __name__ == "__main__":
     print(machine(), flush=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     model_path, (_, train_file, _) = pretrained.prepare("smollm2"), demo.prepare("times_tables")
-    results = {"hybridrl grpo_hybrid.py": run_hybridrl(args.steps, env, args.extra_flags)}
+    flags = ["--model-path", "smollm2", "--total-steps", str(args.steps), "--test-freq", str(args.steps)]
+    results = {"hybridrl grpo_hybrid.py": run_hybridrl([*flags, "--no-val-before-train", *args.extra_flags], env)}
     for dtype in args.trl_dtypes:
         bf16 = dtype == "bfloat16"
         results[f"TRL GRPOTrainer, {dtype}"] = run_trl(args.trl_python, args.steps, bf16, model_path, train_file)

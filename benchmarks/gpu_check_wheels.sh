@@ -4,7 +4,9 @@
 #   - tyro and what it needs (the scripts' flags);
 #   - Ray, this environment's version, as ray.tar.xz: its wheel without what the project never imports (rllib, data,
 #     train, tune, serve, llm, its Java jars, the dashboard's web client), tarred and compressed with xz -6, with
-#     jsonschema and what it needs (the one dependency of Ray's that the device machine lacks).
+#     jsonschema and what it needs (the one dependency of Ray's that the device machine lacks);
+#   - TRL and datasets with the two of datasets' needs the device machine lacks (dill, multiprocess), for
+#     benchmarks/gpu_step_trl.py; never a dependency of hybridrl.
 # It prints the size of it all: a call carries at most 64 MiB with the working tree. The device's command installs
 # the wheels and unpacks Ray into one folder (docs/gpu-check.md).
 set -euo pipefail
@@ -19,6 +21,7 @@ download() {
 rm -rf .whl && mkdir -p .whl
 download .whl tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 typing-extensions==4.16.0
 download .whl jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==0.30.0
+download .whl trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 staging="$(mktemp -d)"
 trap 'rm -rf "$staging"' EXIT
 download "$staging" "ray==$ray_version"
