@@ -161,12 +161,39 @@ class HFRollout:
             output = self.policy.generate(
                 input_ids=prompts,
                 attention_mask=prompt_mask,
+                past_key_values=shared_prompt_cache(self.policy, prompts, prompt_mask),
                 generation_config=config,
                 logits_processor=LogitsProcessorList([recorder]),
                 tokenizer=self.tokenizer,  # what stop strings are matched with
             )
         responses = output[:, prompts.shape[1] :]
         return responses, recorder.log_probs(responses)
+
+
+def shared_prompt_cache(model, prompts, prompt_mask):
+    """The keys and values of every prompt token but the last, computed once per distinct prompt and copied to each row
+    that holds it (a group's n samples), or None when no two rows share a prompt. `generate` then runs only the last
+    prompt token and the response: the prompt's forward, most of a short response's cost, runs once instead of n times.
+    Positions as `generate` numbers them (the mask's cumulative sum), so each row's logits are those of a full pass."""
+    from transformers import DynamicCache
+
+    # rows equal in tokens and mask alike: a pad id can also be a real token
+    distinct, row_of = torch.unique(torch.cat([prompts, prompt_mask.to(prompts.dtype)], -1), dim=0, return_inverse=True)
+    if len(distinct) == len(prompts) or prompts.shape[1] < 2:
+        return None
+    tokens, mask = distinct.split(prompts.shape[1], dim=-1)  # [distinct, prompt_len] each
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(
+            input_ids=tokens[:, :-1],
+            attention_mask=mask[:, :-1],
+            position_ids=positions[:, :-1],
+            past_key_values=cache,
+            logits_to_keep=1,
+        )
+    cache.batch_select_indices(row_of)
+    return cache
 
 
 @contextmanager
