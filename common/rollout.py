@@ -173,7 +173,7 @@ class HFRollout:
 def shared_prompt_cache(model, prompts, prompt_mask):
     """The keys and values of every prompt token but the last, computed once per distinct prompt and copied to each row
     that holds it (a group's n samples), or None when no two rows share a prompt. `generate` then runs only the last
-    prompt token and the response: the prompt's forward, most of a short response's cost, runs once instead of n times.
+    prompt token and the response: the prompt's forward, a large part of a short response's cost, runs once, not n times.
     Positions as `generate` numbers them (the mask's cumulative sum), so each row's logits are those of a full pass."""
     from transformers import DynamicCache
 

@@ -14,7 +14,9 @@ def test_a_prompt_shared_by_its_samples_runs_once_and_generates_the_tokens_of_a_
     prompts = torch.tensor([[pad] * (width - len(row)) + row for row in rows]).repeat_interleave(4, 0)  # [12, width]
     mask = (torch.arange(width) >= torch.tensor([width - len(row) for row in rows])[:, None]).long().repeat_interleave(4, 0)
     shapes = []
-    hook = model.register_forward_pre_hook(lambda module, args, kwargs: shapes.append(kwargs["input_ids"].shape), with_kwargs=True)
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
     rollout = HFRollout(model, tokenizer, [tokenizer.eos_token_id], pad)
     responses, log_probs = rollout.generate(prompts, mask, 8, do_sample=False, temperature=1.0, top_p=1.0, top_k=0)
     hook.remove()
@@ -23,7 +25,9 @@ def test_a_prompt_shared_by_its_samples_runs_once_and_generates_the_tokens_of_a_
 
     recorder = SampledLogProbs(1.0)
     config = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=[tokenizer.eos_token_id], pad_token_id=pad)
-    full = model.generate(input_ids=prompts, attention_mask=mask, generation_config=config, logits_processor=LogitsProcessorList([recorder]))
+    full = model.generate(
+        input_ids=prompts, attention_mask=mask, generation_config=config, logits_processor=LogitsProcessorList([recorder])
+    )
     assert torch.equal(responses, full[:, width:])
     # fp32 both ways; the prompt's keys and values summed over one query row or several: rounding alone differs
     torch.testing.assert_close(log_probs, recorder.log_probs(responses), atol=1e-5, rtol=0)
