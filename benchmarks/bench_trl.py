@@ -57,10 +57,10 @@ def run_hybridrl(flags: list[str], env: dict) -> dict:
     return dict(step=mean.pop("step"), phases=mean, memory=memory, response_length=response)
 
 
-def run_trl(trl_python: str, steps: int, bf16: bool, model_path: str, train_file: str, sizes: str = "") -> dict:
-    """TRL's run in its own environment; `sizes`, a JSON object, changes trl_worker's keyword arguments."""
+def run_trl(trl_python: str, steps: int, bf16: bool, model_path: str, train_file: str, sizes: dict | None = None) -> dict:
+    """TRL's run in its own environment; `sizes` changes trl_worker's keyword arguments."""
     command = [trl_python, __file__, "--trl-worker", "--steps", str(steps), "--model", model_path, "--data", train_file]
-    result = run(command + (["--bf16"] if bf16 else []) + (["--sizes", sizes] if sizes else []))
+    result = run(command + (["--bf16"] if bf16 else []) + ["--sizes", json.dumps(sizes or {})])
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 

@@ -17,7 +17,6 @@ device machine is given).
 """
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -68,7 +67,7 @@ def hybridrl_flags(model_path: str, train_file: str, prompts: int, samples: int,
     sizes = ["--train-batch-size", prompts, "--n", samples, "--mini-batch-size", prompts, "--micro-batch-size", micro_batch]
     lengths = ["--max-prompt-length", prompt, "--max-response-length", response]
     lora = ["--lora-rank", LORA_RANK, "--lora-alpha", LORA_ALPHA, "--lr", LR, "--kl-loss-coef", KL]
-    run = ["--in-process", "--total-steps", STEPS, "--test-freq", STEPS, "--save-freq", STEPS, "--no-val-before-train"]
+    run = ["--in-process", "--total-steps", STEPS, "--no-val-before-train"]  # the last step validates and saves
     return [str(flag) for flag in ["--model-path", model_path, "--train-files", train_file, *sizes, *lengths, *lora, *run]]
 
 
@@ -86,8 +85,9 @@ def main() -> None:
         model_path, train_file = prepare(Path(scratch), SIZES[device]["shape"], batch["prompts"], batch["prompt"])
         results = {"hybridrl grpo_hybrid.py --in-process": run_hybridrl(hybridrl_flags(model_path, train_file, **batch), env)}
         print(results, flush=True)
-        sizes = dict(prompts=batch["prompts"], samples=batch["samples"], new_tokens=batch["response"])
-        sizes = json.dumps(sizes | dict(micro_batch=batch["micro_batch"]))
+        sizes = dict(
+            prompts=batch["prompts"], samples=batch["samples"], new_tokens=batch["response"], micro_batch=batch["micro_batch"]
+        )
         results["TRL GRPOTrainer"] = run_trl(sys.executable, STEPS, device == "cuda", model_path, train_file, sizes)
     sequences = batch["prompts"] * batch["samples"]
     print(

@@ -177,12 +177,14 @@ def shared_prompt_cache(model, prompts, prompt_mask):
     Positions as `generate` numbers them (the mask's cumulative sum), so each row's logits are those of a full pass."""
     from transformers import DynamicCache
 
+    if prompts.shape[1] < 2:
+        return None
     # rows equal in tokens and mask alike: a pad id can also be a real token
     distinct, row_of = torch.unique(torch.cat([prompts, prompt_mask.to(prompts.dtype)], -1), dim=0, return_inverse=True)
-    if len(distinct) == len(prompts) or prompts.shape[1] < 2:
+    if len(distinct) == len(prompts):
         return None
     tokens, mask = distinct.split(prompts.shape[1], dim=-1)  # [distinct, prompt_len] each
-    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left-padded: the pads before a prompt at 0, as generate has them
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(

@@ -3,16 +3,19 @@
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
+from common.data import collate
+from common.dataproto import DataProto
 from common.rollout import HFRollout, SampledLogProbs, shared_prompt_cache
 from helpers import local_model
 
 
 def test_a_prompt_shared_by_its_samples_runs_once_and_generates_the_tokens_of_a_full_pass(tiny_model, tokenizer):
     model = local_model(tiny_model).eval()
-    rows = [tokenizer(text).input_ids for text in ["12+34=", "7*8=", "100+1="]]
-    width, pad = max(map(len, rows)), tokenizer.pad_token_id
-    prompts = torch.tensor([[pad] * (width - len(row)) + row for row in rows]).repeat_interleave(4, 0)  # [12, width]
-    mask = (torch.arange(width) >= torch.tensor([width - len(row) for row in rows])[:, None]).long().repeat_interleave(4, 0)
+    pad = tokenizer.pad_token_id
+    rows = [tokenizer(text).input_ids for text in ["12+34=", "7*8=", "100+1="]]  # of three lengths: left-padded
+    batch = collate(DataProto.from_dict(non_tensors={"prompt_ids": rows}), pad)
+    prompts, mask = batch["prompts"].repeat_interleave(4, 0), batch["prompt_mask"].repeat_interleave(4, 0)  # [12, width]
+    width = prompts.shape[1]
     shapes = []
     hook = model.register_forward_pre_hook(
         lambda module, args, kwargs: shapes.append(kwargs["input_ids"].shape), with_kwargs=True
