@@ -44,7 +44,7 @@ def count_workers(requested: int | None, gpus: int) -> int:
 
 @dataclass
 class RunArgs:
-    exp_name: str = os.path.basename(sys.argv[0]).removesuffix(".py")
+    exp_name: str = dataclasses.field(default_factory=lambda: os.path.basename(sys.argv[0]).removesuffix(".py"))
     """the name of this experiment"""
     seed: int = 1
     """seed of the experiment"""

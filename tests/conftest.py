@@ -94,6 +94,19 @@ def reward_model(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def uninterrupted_grpo(ray_cluster, demo_files, tmp_path_factory):
+    """The run folder of 4 steps of grpo_hybrid.py never interrupted, with a checkpoint after each step (test_checkpoint.py
+    damages copies of it; the interrupted runs of test_faults.py must end as it ends)."""
+    from helpers import TINY, run_script
+
+    folder = tmp_path_factory.mktemp("uninterrupted_grpo")
+    result = run_script("grpo_hybrid.py", *TINY, "--total-steps", "4", "--save-freq", "1", "--keep-last", "0", cwd=folder)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [run_dir] = (folder / "runs").iterdir()
+    return run_dir
+
+
+@pytest.fixture(scope="session")
 def in_process_run(demo_files, tmp_path_factory):
     """Two steps of grpo_hybrid.py --in-process on one worker, seed 1, on one thread as a Ray actor with one CPU computes
     (test_scripts.py compares it with a Ray worker's run, test_plot_runs.py draws it): its process's result and run

@@ -1,13 +1,19 @@
 """What the tests share besides conftest.py's fixtures: running a script and reading its metrics, the probes that read
 a worker's state, comparing weights after optimiser steps."""
 
+import atexit
 import contextlib
 import io
 import json
 import os
 import runpy
+import shlex
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import traceback
 from collections import defaultdict
@@ -52,30 +58,119 @@ TINY = ["--train-batch-size", "8", "--mini-batch-size", "4", "--n", "4", "--test
 VLLM_FP32 = ["--rollout-engine", "vllm", "--rollout-dtype", "float32"]  # the trainer's precision on the CPU
 
 
-def start_script(script: str, *flags, cwd, env=None) -> subprocess.Popen:
+def start_script(script: str, *flags, cwd, env=None) -> "subprocess.Popen | ServedRun":
     """algos/`script` started with `flags` in a session of its own, as a command typed in a terminal has: Ctrl-C reaches
-    its whole process group."""
-    return subprocess.Popen(
-        [sys.executable, str(ROOT / "algos" / script), *flags],
-        cwd=cwd,
-        env={**os.environ, **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    its whole process group. Forked from the script server of this environment (see script_server.py), or, with
+    `env` (variables a library may read as it is imported), a new interpreter."""
+    args = [sys.executable, str(ROOT / "algos" / script), *flags]
+    if env:
+        return subprocess.Popen(
+            args, cwd=cwd, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+    return ServedRun(script_server(), args, cwd)
 
 
 def run_script(script: str, *flags, cwd, env=None) -> subprocess.CompletedProcess:
     """algos/`script` run to its end with `flags` (`env` on top of this process's environment)."""
-    return subprocess.run(
-        [sys.executable, str(ROOT / "algos" / script), *flags],
-        cwd=cwd,
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    process = start_script(script, *flags, cwd=cwd, env=env)
+    try:
+        stdout, stderr = process.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def run_command(command: str, cwd) -> subprocess.CompletedProcess:
+    """A command that a run printed for the user to type (`python algos/<script> FLAGS`), split as a shell splits it."""
+    executable, script, *flags = shlex.split(command)
+    assert executable == sys.executable and Path(script).parent == ROOT / "algos", command
+    return run_script(Path(script).name, *flags, cwd=cwd)
+
+
+_servers: dict[str, tuple[subprocess.Popen, str]] = {}  # the running server: its environment -> (process, socket)
+
+
+def script_server() -> str:
+    """The socket of the script server for this process's environment, started (about 6 s) where it changed."""
+    # PYTEST_CURRENT_TEST: pytest changes it at each test, no import reads it
+    environment = json.dumps({k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}, sort_keys=True)
+    if environment not in _servers:
+        for server, _ in _servers.values():
+            server.kill()
+            server.wait()
+        _servers.clear()
+        path = os.path.join(tempfile.mkdtemp(prefix="script_server_"), "socket")
+        log = open(path + ".log", "w+")
+        server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "script_server.py"), path], stdout=log, stderr=log)
+        atexit.register(server.kill)
+        deadline = time.time() + 120
+        while not os.path.exists(path):
+            assert server.poll() is None and time.time() < deadline, f"the script server did not start: {log.read()}"
+            time.sleep(0.05)
+        _servers[environment] = server, path
+    return _servers[environment][1]
+
+
+class ServedRun:
+    """subprocess.Popen's interface (pid, args, stdout, stderr, returncode, poll, wait, communicate, kill,
+    send_signal) to a run forked by the script server: the pid is the run's own, its exit code the server's report."""
+
+    def __init__(self, server: str, args: list[str], cwd):
+        self.args, self.returncode = args, None
+        stdout, out = os.pipe()
+        stderr, err = os.pipe()
+        self.connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.connection.connect(server)
+        request = json.dumps(dict(argv=args, cwd=str(cwd), env=dict(os.environ)))
+        socket.send_fds(self.connection, [request.encode()], [out, err])
+        os.close(out)
+        os.close(err)
+        self.pid = int(self.connection.recv(64))
+        self.stdout, self.stderr = open(stdout), open(stderr)
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.connection.settimeout(timeout)
+            try:
+                self.returncode = int(self.connection.recv(64))
+            except (TimeoutError, BlockingIOError):  # BlockingIOError: timeout 0, and no exit code yet
+                raise subprocess.TimeoutExpired(self.args, timeout) from None
+            self.connection.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """What the run writes to stdout and stderr until both close, once it ended."""
+        deadline = None if timeout is None else time.time() + timeout
+        if not hasattr(self, "_readers"):
+            self._output = {}
+            self._readers = [threading.Thread(target=self._read, args=(s,), daemon=True) for s in ("stdout", "stderr")]
+            for reader in self._readers:
+                reader.start()
+        for reader in self._readers:
+            reader.join(None if deadline is None else max(0, deadline - time.time()))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0.01, deadline - time.time()))
+        return self._output["stdout"], self._output["stderr"]
+
+    def _read(self, stream: str) -> None:
+        with getattr(self, stream) as pipe:
+            self._output[stream] = pipe.read()
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 def metric_rows(run_dir: Path) -> list[dict]:

@@ -23,13 +23,9 @@ def run_grpo(*flags, cwd):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(ray_cluster, demo_files, tmp_path_factory):
-    """The run folder of a run never interrupted, with a checkpoint after each of its 4 steps."""
-    folder = tmp_path_factory.mktemp("uninterrupted")
-    result = run_grpo(*STEPS, cwd=folder)
-    assert result.returncode == 0, result.stderr[-3000:]
-    [run_dir] = (folder / "runs").iterdir()
-    return run_dir
+def uninterrupted(uninterrupted_grpo):
+    """The run folder of a run never interrupted, with a checkpoint after each of its 4 steps (STEPS)."""
+    return uninterrupted_grpo
 
 
 def cut_short(path: Path) -> None:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from common.checkpoint import complete_checkpoints
 from common.worker_group import Worker, WorkerDied, WorkerGroup
-from helpers import TINY, comparable, metric_rows, run_script, start_script, wait_for_steps
+from helpers import TINY, comparable, metric_rows, run_command, run_script, start_script, wait_for_steps
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Peers' workers have no tests folder to import from
 
@@ -36,8 +36,9 @@ def run_to_the_end(folder, algo: str, *flags):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(ray_cluster, demo_files, tmp_path_factory):
-    return run_to_the_end(tmp_path_factory.mktemp("uninterrupted"), "grpo")
+def uninterrupted(uninterrupted_grpo):
+    """The end of the run of STEPS never interrupted (it keeps every checkpoint, which changes nothing it trains)."""
+    return metric_rows(uninterrupted_grpo), load_file(uninterrupted_grpo / "model" / "model.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +125,7 @@ def continue_as_told(stderr: str, cwd, uninterrupted) -> None:
 
 
 def continues(command: str, checkpoint: str, cwd, uninterrupted) -> None:
-    resumed = subprocess.run(command, shell=True, cwd=cwd, capture_output=True, text=True, timeout=600)
+    resumed = run_command(command, cwd)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {checkpoint}" in resumed.stdout
     run_dir = next((cwd / "runs").iterdir())
@@ -186,7 +187,7 @@ def test_a_killed_rollout_worker_names_it_and_leaves_the_checkpoint_whole(ray_cl
     [checkpoint] = re.findall(r"the last complete checkpoint is (\S+/checkpoints/step_\d+) \(step \d+\)", stderr)
     assert Path(checkpoint) == complete_checkpoints(run_dir)[-1].resolve()
     [command] = re.findall(r"continue with:\n  (.+)\n", stderr)
-    resumed = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    resumed = run_command(command, tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {checkpoint}" in resumed.stdout
     # every step logged once: none after the last checkpoint had been logged when the engine died
