@@ -3,8 +3,9 @@ starting an interpreter that imports torch, transformers and Ray again (about 5 
 
 `python tests/script_server.py SOCKET` serves the environment it was started with (helpers.py starts one per
 environment). A run sends its argv, folder and environment with its stdout and stderr; the server answers with the
-run's pid, then its exit code. The run then goes on exactly as `python algos/<script> FLAGS` does: a session of its
-own, the script as `__main__`, its exit code, signals and uncaught errors handled by Python itself."""
+run's pid, then its exit code. The run then goes on as `python algos/<script> FLAGS` does: a session of its own, the
+script as `__main__`, its exit code, signals and uncaught errors handled by Python itself (a traceback shows this
+file's and runpy's frames above the script's)."""
 
 import importlib
 import json
