@@ -97,10 +97,10 @@ def reward_model(tiny_model, tmp_path_factory):
 def uninterrupted_grpo(ray_cluster, demo_files, tmp_path_factory):
     """The run folder of 4 steps of grpo_hybrid.py never interrupted, with a checkpoint after each step (test_checkpoint.py
     damages copies of it; the interrupted runs of test_faults.py must end as it ends)."""
-    from helpers import TINY, run_script
+    from helpers import EVERY_STEP_SAVED, TINY, run_script
 
     folder = tmp_path_factory.mktemp("uninterrupted_grpo")
-    result = run_script("grpo_hybrid.py", *TINY, "--total-steps", "4", "--save-freq", "1", "--keep-last", "0", cwd=folder)
+    result = run_script("grpo_hybrid.py", *TINY, *EVERY_STEP_SAVED, cwd=folder)
     assert result.returncode == 0, result.stderr[-3000:]
     [run_dir] = (folder / "runs").iterdir()
     return run_dir

@@ -55,6 +55,8 @@ SMALL_RUN = [
 ]
 # A run that validates only at its end (the long runs, the faults); --total-steps is each test's.
 TINY = ["--train-batch-size", "8", "--mini-batch-size", "4", "--n", "4", "--test-freq", "100", "--no-val-before-train"]
+# conftest.py's uninterrupted GRPO run, which test_checkpoint.py's resumed runs must repeat: every checkpoint kept
+EVERY_STEP_SAVED = ["--total-steps", "4", "--save-freq", "1", "--keep-last", "0"]
 VLLM_FP32 = ["--rollout-engine", "vllm", "--rollout-dtype", "float32"]  # the trainer's precision on the CPU
 
 
@@ -89,28 +91,28 @@ def run_command(command: str, cwd) -> subprocess.CompletedProcess:
     return run_script(Path(script).name, *flags, cwd=cwd)
 
 
-_servers: dict[str, tuple[subprocess.Popen, str]] = {}  # the running server: its environment -> (process, socket)
+_server: tuple[str, subprocess.Popen, str] | None = None  # the running script server: its environment, process, socket
 
 
 def script_server() -> str:
     """The socket of the script server for this process's environment, started (about 6 s) where it changed."""
+    global _server
     # PYTEST_CURRENT_TEST: pytest changes it at each test, no import reads it
     environment = json.dumps({k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}, sort_keys=True)
-    if environment not in _servers:
-        for server, _ in _servers.values():
-            server.kill()
-            server.wait()
-        _servers.clear()
+    if _server is None or _server[0] != environment:
+        if _server is not None:
+            _server[1].kill()
+            _server[1].wait()
         path = os.path.join(tempfile.mkdtemp(prefix="script_server_"), "socket")
         log = open(path + ".log", "w+")
         server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "script_server.py"), path], stdout=log, stderr=log)
         atexit.register(server.kill)
         deadline = time.time() + 120
-        while not os.path.exists(path):
+        while not os.path.exists(path):  # the server names its socket `path` once it listens
             assert server.poll() is None and time.time() < deadline, f"the script server did not start: {log.read()}"
             time.sleep(0.05)
-        _servers[environment] = server, path
-    return _servers[environment][1]
+        _server = environment, server, path
+    return _server[2]
 
 
 class ServedRun:

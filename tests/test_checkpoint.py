@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, comparable, metric_rows, run_script
+from helpers import EVERY_STEP_SAVED, TINY, comparable, metric_rows, run_script
 from safetensors.torch import load_file
 
 from common.checkpoint import MANIFEST, checkpoint_damage, complete_checkpoints, find_checkpoint
 
-STEPS = ["--total-steps", "4", "--save-freq", "1", "--keep-last", "0"]
+STEPS = EVERY_STEP_SAVED
 PREFIX = "grpo__grpo_hybrid__1"
 
 
