@@ -7,6 +7,7 @@ run's pid, then its exit code. The run then goes on as `python algos/<script> FL
 script as `__main__`, its exit code, signals and uncaught errors handled by Python itself (a traceback shows this
 file's and runpy's frames above the script's)."""
 
+import gc
 import importlib
 import json
 import os
@@ -26,6 +27,8 @@ import common  # noqa: E402
 
 for module in pkgutil.iter_modules(common.__path__):
     importlib.import_module(f"common.{module.name}")
+# Out of the collector's sight: a run's collections skip the imports' objects, and so does its exit (about 0.8 s less)
+gc.freeze()
 
 
 def serve(listener: socket.socket) -> dict:

@@ -115,18 +115,22 @@ def arithmetic_judge(tiny_model, tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="module")
+def judge_ranks(cpu_pool, arithmetic_judge):
+    """Its 2 ranks, which judge in either mode."""
+    group = WorkerGroup(JudgeWorker, cpu_pool, "judge", model_path=arithmetic_judge, compute_dtype="float32")
+    yield group
+    group.shutdown()
+
+
 @pytest.mark.parametrize("mode", ["probability", "parsed"])
-def test_a_judge_that_knows_says_yes_to_the_right_answers_and_no_to_the_wrong(cpu_pool, arithmetic_judge, mode):
+def test_a_judge_that_knows_says_yes_to_the_right_answers_and_no_to_the_wrong(judge_ranks, arithmetic_judge, mode):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(arithmetic_judge)
-    group = WorkerGroup(JudgeWorker, cpu_pool, "judge", model_path=arithmetic_judge, compute_dtype="float32")
-    try:
-        judge = Judge(group, tokenizer, "{response}={ground_truth}?", mode, 4, 64, arithmetic_judge)
-        messages = [[{"role": "user", "content": prompt}] for prompt, _, _ in CLEARLY]
-        scores, failures = judge.score(messages, [r for _, r, _ in CLEARLY], [t for _, _, t in CLEARLY], 0.0)
-    finally:
-        group.shutdown()
+    judge = Judge(judge_ranks, tokenizer, "{response}={ground_truth}?", mode, 4, 64, arithmetic_judge)
+    messages = [[{"role": "user", "content": prompt}] for prompt, _, _ in CLEARLY]
+    scores, failures = judge.score(messages, [r for _, r, _ in CLEARLY], [t for _, _, t in CLEARLY], 0.0)
     assert failures == 0
     right = [response == truth for _, response, truth in CLEARLY]
     assert [score > 0.9 if ok else score < 0.1 for score, ok in zip(scores, right)] == [True] * len(CLEARLY), scores
