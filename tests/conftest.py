@@ -2,6 +2,7 @@
 helpers.py)."""
 
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -26,17 +27,36 @@ def tiny_model(demo_files):
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
-    """A local Ray instance; scripts run as subprocesses join it through RAY_ADDRESS."""
+def ray_cluster(tmp_path_factory):
+    """A local Ray instance; scripts run as subprocesses join it through RAY_ADDRESS. Its workers fork from a template
+    that made their imports once (worker_template.py): Ray starts its Python processes with a launcher."""
+    import subprocess
+    import time
+
     import ray
 
     from common.run import start_local_ray
 
-    start_local_ray(num_cpus=4)
+    folder = tmp_path_factory.mktemp("worker_template")
+    template, launcher, log = folder / "socket", folder / "python", folder / "log"
+    command = [sys.executable, str(ROOT / "tests" / "worker_template.py"), str(template), str(launcher)]
+    server = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    launch = [sys.executable, "-S", str(ROOT / "tests" / "worker_launcher.py"), sys.executable, str(template)]
+    launcher.write_text(f'#!/bin/sh\nexec {shlex.join(launch)} "$@"\n')
+    launcher.chmod(0o755)
+    while not template.exists():  # the template names its socket once it listens
+        assert server.poll() is None, f"the worker template did not start: {log.read_text()}"
+        time.sleep(0.05)
+    python, sys.executable = sys.executable, str(launcher)  # what Ray starts its Python processes with
+    try:
+        start_local_ray(num_cpus=4)
+    finally:
+        sys.executable = python
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     yield
     ray.shutdown()
     os.environ.pop("RAY_ADDRESS", None)
+    server.kill()
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,7 @@ for module in pkgutil.iter_modules(common.__path__):
 gc.freeze()
 
 
-def serve(listener: socket.socket) -> dict:
+def serve(listener: socket.socket, new_session: bool = True) -> dict:
     """Fork a run for each request, and send each run's exit code when it ends. Returns only in a run's process: its
     request, with its stdout and stderr in place."""
     running = {}  # pid -> the connection of the test that waits for it
@@ -45,7 +45,8 @@ def serve(listener: socket.socket) -> dict:
             if pid == 0:
                 listener.close()
                 connection.close()
-                os.setsid()
+                if new_session:
+                    os.setsid()
                 stdin = os.open(os.devnull, os.O_RDONLY)
                 for target, fd in zip((0, 1, 2), (stdin, *fds)):
                     os.dup2(fd, target)

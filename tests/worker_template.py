@@ -1,0 +1,53 @@
+"""Ray's workers for the tests' shared Ray instance, forked from a Python that made their imports once (torch, FSDP2,
+transformers' models, PEFT, Ray, common) instead of each importing them again (about 5 s a worker on 2 cores).
+
+`python tests/worker_template.py SOCKET LAUNCHER`. Ray starts a worker as `LAUNCHER setup_worker.py ... default_worker.py
+ARGS` (conftest makes LAUNCHER Ray's Python); worker_launcher.py asks this template for a fork that runs the script
+as `python SCRIPT ARGS` would: its environment, folder, sys.path and argv, OMP_NUM_THREADS given to torch."""
+
+import os
+import runpy
+import socket
+import sys
+
+BASE_PATH = sys.path[1:]  # what a fresh interpreter's sys.path holds after its script's folder
+
+import torch  # noqa: E402
+import torch.distributed.fsdp  # noqa: E402, F401
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402, F401
+from transformers.models.llama import modeling_llama  # noqa: E402, F401  (SmolLM2)
+from transformers.models.qwen2 import modeling_qwen2  # noqa: E402, F401  (the tiny model)
+import peft  # noqa: E402, F401
+
+from script_server import serve  # noqa: E402  (also imports every module of common, then freezes them)
+
+# Not Ray: its C++ part reads the worker's settings (RAY_JOB_ID, ...) from the environment once, as it loads
+assert "ray" not in sys.modules
+
+if __name__ == "__main__":
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(sys.argv[1] + ".binding")
+    listener.listen(64)
+    os.rename(sys.argv[1] + ".binding", sys.argv[1])
+    launcher = sys.argv[2]
+    run = serve(listener, new_session=False)
+    os.chdir(run["cwd"])
+    os.environ.clear()
+    os.environ.update(run["env"])
+    sys.orig_argv, sys.argv = run["argv"], run["argv"][1:]
+    sys.path[:] = [os.path.dirname(os.path.abspath(sys.argv[0])), *BASE_PATH]
+    sys.executable = launcher  # setup_worker.py starts default_worker.py with it: a fork again
+    if "OMP_NUM_THREADS" in os.environ:  # read by OpenMP as torch loaded, in the template
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if os.path.basename(sys.argv[0]) == "setup_worker.py":
+        # It starts default_worker.py with the Python its runtime env names (the runtime env agent's): the launcher's
+        from ray._private.runtime_env.context import RuntimeEnvContext
+
+        exec_worker = RuntimeEnvContext.exec_worker
+
+        def exec_forked_worker(context, *args):
+            context.py_executable = launcher
+            exec_worker(context, *args)
+
+        RuntimeEnvContext.exec_worker = exec_forked_worker
+    runpy.run_path(sys.argv[0], run_name="__main__")
