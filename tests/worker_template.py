@@ -37,8 +37,18 @@ if __name__ == "__main__":
     sys.orig_argv, sys.argv = run["argv"], run["argv"][1:]
     sys.path[:] = [os.path.dirname(os.path.abspath(sys.argv[0])), *BASE_PATH]
     sys.executable = launcher  # setup_worker.py starts default_worker.py with it: a fork again
-    if "OMP_NUM_THREADS" in os.environ:  # read by OpenMP as torch loaded, in the template
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    # OpenMP read OMP_NUM_THREADS as torch loaded, in the template; Ray sets it as a worker takes its actor or task
+    import ray._private.utils as ray_utils
+
+    set_omp_num_threads_if_unset = ray_utils.set_omp_num_threads_if_unset
+
+    def set_omp_and_torch_threads() -> bool:
+        was_unset = set_omp_num_threads_if_unset()
+        if "OMP_NUM_THREADS" in os.environ:
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        return was_unset
+
+    ray_utils.set_omp_num_threads_if_unset = set_omp_and_torch_threads
     if os.path.basename(sys.argv[0]) == "setup_worker.py":
         # It starts default_worker.py with the Python its runtime env names (the runtime env agent's): the launcher's
         from ray._private.runtime_env.context import RuntimeEnvContext
