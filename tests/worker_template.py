@@ -1,9 +1,10 @@
 """Ray's workers for the tests' shared Ray instance, forked from a Python that made their imports once (torch, FSDP2,
-transformers' models, PEFT, Ray, common) instead of each importing them again (about 5 s a worker on 2 cores).
+transformers' models, PEFT, common; not Ray) instead of each importing them again (about 5 s a worker on 2 cores).
 
-`python tests/worker_template.py SOCKET LAUNCHER`. Ray starts a worker as `LAUNCHER setup_worker.py ... default_worker.py
-ARGS` (conftest makes LAUNCHER Ray's Python); worker_launcher.py asks this template for a fork that runs the script
-as `python SCRIPT ARGS` would: its environment, folder, sys.path and argv, OMP_NUM_THREADS given to torch."""
+`python tests/worker_template.py SOCKET LAUNCHER`. Ray starts a worker as `LAUNCHER default_worker.py ARGS`, or through
+`LAUNCHER setup_worker.py ... default_worker.py ARGS` (conftest makes LAUNCHER Ray's Python); worker_launcher.py asks
+this template for a fork that runs the script as `python SCRIPT ARGS` would: its environment, folder, sys.path and
+argv, and torch's thread count the OMP_NUM_THREADS that Ray sets."""
 
 import os
 import runpy
