@@ -65,15 +65,24 @@ def serve(listener: socket.socket, new_session: bool = True) -> dict:
             connection.close()
 
 
-if __name__ == "__main__":
+def listen(path: str) -> socket.socket:
+    """A socket that takes requests at `path`, a name it gets once it listens (the name the tests wait for)."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(sys.argv[1] + ".binding")
-    listener.listen(16)
-    os.rename(sys.argv[1] + ".binding", sys.argv[1])  # the name the tests wait for appears once runs can connect
-    run = serve(listener)
+    listener.bind(path + ".binding")
+    listener.listen(64)
+    os.rename(path + ".binding", path)
+    return listener
+
+
+def take_over(run: dict) -> None:
+    """This process as the run's: its folder, its environment, its argv."""
     os.chdir(run["cwd"])
     os.environ.clear()
     os.environ.update(run["env"])
     sys.orig_argv, sys.argv = run["argv"], run["argv"][1:]
+
+
+if __name__ == "__main__":
+    take_over(serve(listen(sys.argv[1])))
     # Uncaught, an error or exit reaches Python as from the script itself: its excepthook, its exit code.
     runpy.run_path(sys.argv[0], run_name="__main__")

@@ -8,7 +8,6 @@ argv, and torch's thread count the OMP_NUM_THREADS that Ray sets."""
 
 import os
 import runpy
-import socket
 import sys
 
 BASE_PATH = sys.path[1:]  # what a fresh interpreter's sys.path holds after its script's folder
@@ -20,22 +19,14 @@ from transformers.models.llama import modeling_llama  # noqa: E402, F401  (SmolL
 from transformers.models.qwen2 import modeling_qwen2  # noqa: E402, F401  (the tiny model)
 import peft  # noqa: E402, F401
 
-from script_server import serve  # noqa: E402  (also imports every module of common, then freezes them)
+from script_server import listen, serve, take_over  # noqa: E402  (also imports every module of common, then freezes them)
 
 # Not Ray: its C++ part reads the worker's settings (RAY_JOB_ID, ...) from the environment once, as it loads
 assert "ray" not in sys.modules
 
 if __name__ == "__main__":
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(sys.argv[1] + ".binding")
-    listener.listen(64)
-    os.rename(sys.argv[1] + ".binding", sys.argv[1])
     launcher = sys.argv[2]
-    run = serve(listener, new_session=False)
-    os.chdir(run["cwd"])
-    os.environ.clear()
-    os.environ.update(run["env"])
-    sys.orig_argv, sys.argv = run["argv"], run["argv"][1:]
+    take_over(serve(listen(sys.argv[1]), new_session=False))
     sys.path[:] = [os.path.dirname(os.path.abspath(sys.argv[0])), *BASE_PATH]
     sys.executable = launcher  # setup_worker.py starts default_worker.py with it: a fork again
     # OpenMP read OMP_NUM_THREADS as torch loaded, in the template; Ray sets it as a worker takes its actor or task
