@@ -107,7 +107,10 @@ def test_auto_budget_keeps_within_the_share_and_an_update_over_it_retries_at_hal
         for name, value in group.broadcast("full_state_dict")[0].items():
             torch.testing.assert_close(after_retry[name], value, rtol=1e-5, atol=1e-6)
 
-        group.broadcast("set", micro_batch_tokens=8 * LONGEST, memory_limit=int(2 * peak[4] - peak[8]))  # 2 are over
+        # Both over: the limit halfway between what an update holds for no tokens (the fitted line's fixed part) and
+        # the half budget's peak (one gap below that peak ran over by 90 MB only, once in three runs here)
+        over_twice = int((fit["fixed_bytes"] + peak[4]) / 2)
+        group.broadcast("set", micro_batch_tokens=8 * LONGEST, memory_limit=over_twice)
         # the error of whichever rank the scatter hears from first: the one over its share, or one that heard of it
         over = "the resident set peaked at .* GB, over the .* GB a worker may use|another rank ran out of memory at"
         with pytest.raises(Exception, match=over):
