@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
 from pathlib import Path
 
 # Library lines that say nothing a run's user can act on: vLLM's CPU backend hints at preloading libraries and binding
@@ -44,21 +45,28 @@ SOURCE = re.compile(r"[\w.-]+\.py:\d+")
 
 
 class Console:
-    """A stream that writes everything to `log` and shows on `shown` what a person reads (see the module's doc)."""
+    """A stream that writes everything to `log` and shows on `shown` what a person reads (see the module's doc). A line
+    is judged whole: each thread's unfinished line is kept apart (Ray forwards the workers' lines from a thread of its
+    own, which may write between the two writes of a `print` in the main thread)."""
 
     def __init__(self, shown, log):
-        self.shown, self.log, self.pending, self.seen = shown, log, "", set()
+        self.shown, self.log, self.seen = shown, log, set()
+        self.pending: dict[int, str] = {}  # by thread
+        self.lock = threading.Lock()
 
     def write(self, text: str) -> int:
-        self.log.write(text)
-        if text.startswith("\r") and not self.pending:  # the progress bar redrawn in place
-            self.shown.write(text)
-            return len(text)
-        self.pending += text
-        *lines, self.pending = self.pending.split("\n")
-        for line in lines:
-            if self.shows(line):
-                self.shown.write(line + "\n")
+        thread = threading.get_ident()
+        with self.lock:
+            self.log.write(text)
+            if text.startswith("\r") and thread not in self.pending:  # the progress bar redrawn in place
+                self.shown.write(text)
+                return len(text)
+            *lines, pending = (self.pending.pop(thread, "") + text).split("\n")
+            if pending:
+                self.pending[thread] = pending
+            for line in lines:
+                if self.shows(line):
+                    self.shown.write(line + "\n")
         return len(text)
 
     def shows(self, line: str) -> bool:

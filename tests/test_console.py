@@ -1,9 +1,12 @@
 """The console a person reads (common/console.py): Ray workers' repeated warnings shown once, hints hidden, and all of
 it in the run's folder."""
 
+import io
 import subprocess
 import sys
+import threading
 
+from common.console import Console
 from helpers import ROOT
 
 DRIVER = """
@@ -55,3 +58,16 @@ def test_workers_repeated_warnings_show_once_hints_never_and_the_log_keeps_all(r
     assert "the run's own line" in console and sum("ready" in line for line in console) == 2
     assert log.count("libtcmalloc is not found in LD_PRELOAD") >= 1 and "the run's own line" in log
     assert log.count("Attempted to load weight") >= 4  # Ray folds some repeats into "[repeated Nx across cluster]"
+
+
+def test_a_line_another_thread_writes_midway_stays_apart(tmp_path):
+    """`print` writes its text and its newline apart; Ray's thread that forwards the workers' lines may write between
+    the two. Both lines are shown whole, each judged alone: the worker's hint hidden, the run's line shown."""
+    shown = io.StringIO()
+    console = Console(shown, (tmp_path / "console.log").open("w"))
+    console.write("the run's own line")
+    worker = threading.Thread(target=console.write, args=("(RolloutWorker pid=7) libtcmalloc is not found in LD_PRELOAD\n",))
+    worker.start()
+    worker.join()
+    console.write("\n")
+    assert shown.getvalue() == "the run's own line\n"
