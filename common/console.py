@@ -52,7 +52,7 @@ class Console:
     def __init__(self, shown, log):
         self.shown, self.log, self.seen = shown, log, set()
         self.pending: dict[int, str] = {}  # by thread
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # re-entrant: a signal handler's print may come in the middle of a write
 
     def write(self, text: str) -> int:
         thread = threading.get_ident()
