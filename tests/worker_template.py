@@ -1,5 +1,6 @@
 """Ray's workers for the tests' shared Ray instance, forked from a Python that made their imports once (torch, FSDP2,
-transformers' models, PEFT, common; not Ray) instead of each importing them again (about 5 s a worker on 2 cores).
+torch's compiler, transformers' models, PEFT, common, what vLLM imports besides itself; not vLLM, not Ray) instead of
+each importing them again (about 5 s a worker on 2 cores).
 
 `python tests/worker_template.py SOCKET LAUNCHER`. Ray starts a worker as `LAUNCHER default_worker.py ARGS`, or through
 `LAUNCHER setup_worker.py ... default_worker.py ARGS` (conftest makes LAUNCHER Ray's Python); worker_launcher.py asks
