@@ -316,11 +316,30 @@ def rows_of(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def response_log_probs(logits: torch.Tensor, responses: torch.Tensor, temperature: float, with_entropy: bool):
     """The log-probs of `responses` at `temperature` from their `logits`, and (with `with_entropy`) the entropies."""
-    logits = logits.float() / temperature
+    logits = logits.float() if temperature == 1.0 else logits.float() / temperature  # [tokens, vocab]: no copy at 1
     log_probs = torch.log_softmax(logits, dim=-1)
     token_log_probs = log_probs.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
-    entropy = -(log_probs.exp() * log_probs).sum(-1) if with_entropy else None
+    entropy = Entropy.apply(log_probs) if with_entropy else None
     return token_log_probs, entropy
+
+
+class Entropy(torch.autograd.Function):
+    """H = -sum_v p_v log p_v of each row of log-probs [tokens, vocab], as autograd would compute it, for less: it keeps
+    no [tokens, vocab] tensor of its own for the backward (log_softmax keeps the log-probs already), and its backward
+    does nothing when the gradient it receives is zero, as it is when the loss weighs the entropy by 0 (the scripts'
+    default --entropy-coef): that gradient's three passes over the vocabulary were a tenth of an update."""
+
+    @staticmethod
+    def forward(ctx, log_probs):
+        ctx.save_for_backward(log_probs)
+        return -log_probs.exp().mul_(log_probs).sum(-1)  # [tokens]
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not grad.any():
+            return None
+        (log_probs,) = ctx.saved_tensors
+        return -grad[:, None] * log_probs.exp() * (log_probs + 1)  # dH/d(log p_v) = -p_v (log p_v + 1)
 
 
 # How far the same output may move when only the layout changes, as a share of its size (at least 1): fp32 reorders

@@ -71,3 +71,17 @@ def test_a_line_another_thread_writes_midway_stays_apart(tmp_path):
     worker.join()
     console.write("\n")
     assert shown.getvalue() == "the run's own line\n"
+
+
+def test_fsdp2s_warning_on_the_peft_models_view_is_logged_not_shown(tmp_path):
+    """FSDP2 (torch 2.13) warns, in each worker, that the PEFT model returns a view: nothing a user can act on."""
+    shown, log = io.StringIO(), io.StringIO()
+    console = Console(shown, log)
+    prefix = "\x1b[36m(PolicyWorker pid=6555)\x1b[0m "
+    fsdp_state = "/venv/lib/python3.11/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_state.py:331"
+    console.write(
+        f"{prefix}{fsdp_state}: UserWarning: FSDP2-wrapped module (FSDPPeftModelForCausalLM) returned a view tensor. An "
+        "in-place op on this view (e.g., `x += y`) will silently drop the pre-backward hook and skip the all-gather\n"
+    )
+    console.write(f"{prefix}  output = self._register_pre_backward_hook(output)\n")
+    assert shown.getvalue() == "" and log.getvalue().count("(PolicyWorker pid=6555)") == 2

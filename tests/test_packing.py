@@ -1,4 +1,5 @@
-"""Packed micro-batches against padded ones on the tiny model, and the partitioning that balances them."""
+"""Packed micro-batches against padded ones on the tiny model, the partitioning that balances them, and the log-probs
+and entropies computed from them."""
 
 from functools import partial
 
@@ -8,6 +9,7 @@ import torch
 from helpers import uneven_batch
 
 from common.layouts import (
+    Entropy,
     balanced_parts,
     chunked_log_probs,
     head_outputs_pass_through,
@@ -248,3 +250,14 @@ def test_balanced_parts_deal_the_heaviest_first_to_the_lightest_part():
 def test_pack_rows_fills_the_first_row_with_room_longest_first():
     assert pack_rows([5, 9, 3, 4, 12], 12) == ([2, 1, 1, 2, 0], [0, 0, 9, 5, 0])
     assert pack_rows([2, 3], 5) == ([0, 0], [3, 0])
+
+
+def test_the_entropy_and_its_gradient_are_autograds_and_weighed_by_zero_it_adds_nothing_to_the_gradient():
+    logits = torch.randn(6, 50, dtype=torch.float64, requires_grad=True)  # float64: gradcheck's finite differences
+    assert torch.autograd.gradcheck(lambda z: Entropy.apply(torch.log_softmax(z, -1)), (logits,))
+    log_probs = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(Entropy.apply(log_probs), -(log_probs.exp() * log_probs).sum(-1), rtol=1e-12, atol=0)
+    tokens = torch.arange(6)[:, None]
+    without = torch.autograd.grad(log_probs.gather(-1, tokens).sum(), logits, retain_graph=True)[0]
+    weighed_by_zero = log_probs.gather(-1, tokens).sum() + 0.0 * Entropy.apply(log_probs).sum()
+    assert torch.equal(torch.autograd.grad(weighed_by_zero, logits)[0], without)  # the same operations: bit for bit

@@ -1,11 +1,12 @@
-"""common/rollout.py's hf engine: a prompt its samples share is computed once and generates as a full pass does."""
+"""common/rollout.py's hf engine: a prompt its samples share is computed once and generates as a full pass does; each
+token is drawn at its probability."""
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList
 
 from common.data import collate
 from common.dataproto import DataProto
-from common.rollout import HFRollout, SampledLogProbs, shared_prompt_cache
+from common.rollout import HFRollout, InverseCDFSample, SampledLogProbs, shared_prompt_cache
 from helpers import local_model
 
 
@@ -35,3 +36,17 @@ def test_a_prompt_shared_by_its_samples_runs_once_and_generates_the_tokens_of_a_
     # fp32 both ways; the prompt's keys and values summed over one query row or several: rounding alone differs
     torch.testing.assert_close(log_probs, recorder.log_probs(responses), atol=1e-5, rtol=0)
     assert shared_prompt_cache(model, prompts[::4], mask[::4]) is None  # no two rows alike: nothing to share
+
+
+def test_each_token_is_drawn_at_its_probability_and_left_the_only_one_possible():
+    rows = 200_000
+    scores = torch.tensor([0.0, 1.0, -1.0, 2.0, -torch.inf, 0.5, -6.0]).repeat(rows, 1)  # [rows, vocab]
+    torch.manual_seed(0)
+    left = InverseCDFSample()(None, scores)
+    assert torch.equal(torch.isfinite(left).sum(-1), torch.ones(rows, dtype=torch.long))  # generate's greedy pick takes it
+    shares = torch.bincount(left.argmax(-1), minlength=7).double() / rows
+    probabilities = torch.softmax(scores[0].double(), -1)
+    # each share a binomial mean over `rows` draws: within 5 standard errors; the impossible token never
+    error = (probabilities * (1 - probabilities) / rows).sqrt()
+    assert ((shares - probabilities).abs() <= 5 * error).all(), (shares, probabilities)
+    assert shares[4] == 0
