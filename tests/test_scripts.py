@@ -157,7 +157,9 @@ def test_in_process_trains_as_one_ray_worker_does(ray_cluster, in_process_run, t
     assert under_ray.returncode == 0, under_ray.stderr[-3000:]
     # A Ray actor with one CPU computes on one thread; so does the in-process run, so that sums round alike.
     in_process, in_process_dir = in_process_run
-    assert "(PolicyWorker pid=" in under_ray.stderr and "(PolicyWorker pid=" not in in_process.stderr  # no actor
+    # Ray prefixes what its actor prints (its start-up line on stdout); in process there is no actor
+    assert "(PolicyWorker pid=" in under_ray.stdout + under_ray.stderr
+    assert "(PolicyWorker pid=" not in in_process.stdout + in_process.stderr
     _, rows_under_ray = metrics_of(tmp_path)
     rows_in_process = metric_rows(in_process_dir)
     training = [
