@@ -156,8 +156,8 @@ class HFRollout:
         )
         recorder = SampledLogProbs(temperature if do_sample else 1.0)
         processors = [recorder]
-        if do_sample:  # generate's own warpers, in its order, then one uniform draw per row
-            processors += [TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k > 0 else [])
+        if do_sample:  # generate's own warpers, in its order and on its conditions, then one uniform draw per row
+            processors += [TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k != 0 else [])
             processors += ([TopPLogitsWarper(top_p)] if top_p < 1.0 else []) + [InverseCDFSample()]
         with unsharded(self.policy):
             output = self.policy.generate(
