@@ -16,9 +16,10 @@ import threading
 from pathlib import Path
 
 # Library lines that say nothing a run's user can act on: vLLM's CPU backend hints at preloading libraries and binding
-# NUMA nodes a run does not control, notes the Triton, torch.compile and oneDNN paths it does not take, Ray notes
-# its own start, log deduplication and authentication, and FSDP2 warns that PEFT's model returns a view (in-place ops on
-# it would skip a hook; the workers make none: the FSDP tests compare their gradients). Logged, not shown.
+# NUMA nodes a run does not control, notes the Triton, torch.compile, oneDNN and SSM-cache paths it does not take, and
+# warns that its own code calls a deprecated torch name; Ray notes its own start, log deduplication and authentication;
+# FSDP2 warns that PEFT's model returns a view (in-place ops on it would skip a hook; the workers make none: the FSDP
+# tests compare their gradients). Logged, not shown, and so is the source line Python prints under a hidden warning.
 HIDDEN = re.compile(
     "|".join(
         [
@@ -31,11 +32,12 @@ HIDDEN = re.compile(
             r"Inductor compilation was disabled",
             r"doesn't allow to use `torch\.set_num_threads`",
             r"Failed to create oneDNN linear",
+            r"Reset SSM cache type to float32",
+            r"`torch\.distributed\.reduce_op` is deprecated",
             r"Ray deduplicates logs by default",
             r"Token authentication is enabled for this Ray cluster",
             r"Started a local Ray instance",
             r"FSDP2-wrapped module \(\w+\) returned a view tensor",
-            r"output = self\._register_pre_backward_hook\(output\)",  # the line warnings prints under that one
         ]
     )
 )
@@ -45,39 +47,73 @@ WORKER = re.compile(r"^\((?:[\w.]+ )?pid=\d+(?:, ip=[^)]*)?\)\s?")
 PROGRESS = re.compile(r"\d+%[^|]*\|")  # a library's progress bar, as a worker's line: loading or writing weights
 # Where a library's line comes from, "[utils.py:333]" or "fsdp_state.py:331:": one warning, whatever tensor it names
 SOURCE = re.compile(r"[\w.-]+\.py:\d+")
+PYTHON_WARNING = re.compile(r"\.py:\d+: \w*Warning: ")  # warnings' format: "file.py:12: FutureWarning: message", then
+SOURCE_LINE = re.compile(r"^  \S")  # the line of source it names, indented by two spaces
+
+
+class Screen:
+    """What the two streams of a run's console share: the progress bar that stands on the last line, and one lock."""
+
+    def __init__(self):
+        self.bar = ""  # the bar as last drawn, "" once a newline ends its line
+        self.lock = threading.RLock()  # re-entrant: a signal handler's print may come in the middle of a write
 
 
 class Console:
     """A stream that writes everything to `log` and shows on `shown` what a person reads (see the module's doc). A line
     is judged whole: each thread's unfinished line is kept apart (Ray forwards the workers' lines from a thread of its
-    own, which may write between the two writes of a `print` in the main thread)."""
+    own, which may write between the two writes of a `print` in the main thread). A line shown while the progress bar
+    stands on the last line goes above the bar, which is drawn again below it."""
 
-    def __init__(self, shown, log):
+    def __init__(self, shown, log, screen: Screen | None = None):
         self.shown, self.log, self.seen = shown, log, set()
+        self.screen = screen or Screen()
         self.pending: dict[int, str] = {}  # by thread
-        self.lock = threading.RLock()  # re-entrant: a signal handler's print may come in the middle of a write
+        self.hid_warning: set[str] = set()  # the processes whose last line was a hidden Python warning
 
     def write(self, text: str) -> int:
         thread = threading.get_ident()
-        with self.lock:
+        with self.screen.lock:
             self.log.write(text)
             if text.startswith("\r") and thread not in self.pending:  # the progress bar redrawn in place
                 self.shown.write(text)
+                self.screen.bar = text.rsplit("\n", 1)[-1]
                 return len(text)
             *lines, pending = (self.pending.pop(thread, "") + text).split("\n")
             if pending:
                 self.pending[thread] = pending
             for line in lines:
                 if self.shows(line):
-                    self.shown.write(line + "\n")
+                    self.show(line)
         return len(text)
+
+    def show(self, line: str) -> None:
+        """`line` on the console; above the progress bar where one stands on the last line: the bar's line cleared (on a
+        terminal; elsewhere ended), the line written, the bar drawn again. An empty line (the bar's own end) ends it."""
+        bar = self.screen.bar
+        if bar and line:
+            self.shown.write("\r\x1b[2K" if self.shown.isatty() else "\n")
+        self.shown.write(line + "\n")
+        if bar and line:
+            self.shown.write(bar)
+            self.shown.flush()
+        else:
+            self.screen.bar = ""
 
     def shows(self, line: str) -> bool:
         """Whether the console shows `line`: the run's own lines always; a worker's line the first time only."""
         plain = ANSI.sub("", line)
-        if HIDDEN.search(plain):
-            return False
+        worker = WORKER.match(plain)
+        process = worker.group().strip() if worker else ""  # a worker's prefix, "" for the run's own lines
         message = WORKER.sub("", plain)
+        if HIDDEN.search(plain):
+            if PYTHON_WARNING.search(plain):
+                self.hid_warning.add(process)
+            return False
+        if process in self.hid_warning:  # the source lines under it (two where Ray folded a repeated warning away)
+            if SOURCE_LINE.match(message):
+                return False
+            self.hid_warning.discard(process)
         if message == plain:
             return True
         message = re.sub(r"\[repeated \d+x across cluster\].*", "", WORKER.sub("", message))
@@ -107,6 +143,6 @@ class Console:
 def start_console(run_dir: Path) -> None:
     """From now on, this process's output goes whole to `run_dir`/console.log and, as Console filters it, to the
     console."""
-    log = open(run_dir / "console.log", "a", buffering=1)
-    sys.stdout, sys.stderr = Console(sys.stdout, log), Console(sys.stderr, log)
+    log, screen = open(run_dir / "console.log", "a", buffering=1), Screen()
+    sys.stdout, sys.stderr = Console(sys.stdout, log, screen), Console(sys.stderr, log, screen)
     print(f"the run's whole output, the workers' included: {run_dir / 'console.log'}")

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import threading
 
-from common.console import Console
+from common.console import Console, Screen
 from helpers import ROOT
 
 DRIVER = """
@@ -85,3 +85,46 @@ def test_fsdp2s_warning_on_the_peft_models_view_is_logged_not_shown(tmp_path):
     )
     console.write(f"{prefix}  output = self._register_pre_backward_hook(output)\n")
     assert shown.getvalue() == "" and log.getvalue().count("(PolicyWorker pid=6555)") == 2
+
+
+def test_vllms_notes_and_the_source_line_under_a_hidden_warning_are_logged_not_shown(tmp_path):
+    """vLLM's CPU backend notes an SSM cache it does not use and, from each worker, that its own code calls a deprecated
+    torch name; Python prints the warning's source line under it, two workers' lines may interleave, and where Ray
+    folds one worker's repeat of another's warning away, two source lines follow one warning. None of it is shown; a
+    worker's indented line that follows no hidden warning (a traceback's) is."""
+    shown, log = io.StringIO(), io.StringIO()
+    console = Console(shown, log)
+    first, second = "\x1b[36m(PolicyWorker pid=1)\x1b[0m ", "\x1b[36m(PolicyWorker pid=2)\x1b[0m "
+    dispatcher = "/venv/lib/python3.11/site-packages/vllm/triton_utils/dispatcher.py:138"
+    deprecated = "FutureWarning: `torch.distributed.reduce_op` is deprecated, please use `torch.distributed.ReduceOp` instead"
+    ssm = "Reset SSM cache type to float32 for accelerated GDN mamba backend 'none'."
+    lines = [
+        f"{first}{dispatcher}: {deprecated}",
+        f"{second}{dispatcher}: {deprecated}",
+        f'{first}  if hasattr(value, "__dict__"):',
+        f'{second}  if hasattr(value, "__dict__"):',
+        f'{second}  wrapper = lookup(vars(value).get("kernel"))',
+        f"{first}(MainProcess pid=1) WARNING 11-28 05:03:06 [cpu.py:317] {ssm}",
+        f"{first}Traceback (most recent call last):",
+        f'{first}  File "/run/algos/grpo_hybrid.py", line 1, in <module>',
+    ]
+    for line in lines:
+        console.write(line + "\n")
+    assert shown.getvalue().splitlines() == lines[-2:]
+    assert log.getvalue().splitlines() == lines
+
+
+def test_a_line_shown_while_the_progress_bar_stands_goes_above_it():
+    """A worker's line that Ray writes to stdout while the bar stands on stderr's last line would join the bar's line:
+    it goes on a line of its own, the bar drawn again below it; the bar's own newline ends it."""
+    shown, log, screen = io.StringIO(), io.StringIO(), Screen()
+    stdout, stderr = Console(shown, log, screen), Console(shown, log, screen)
+    stderr.write("\rgrpo:   0%|          | 0/3")
+    stdout.write("(PolicyWorker pid=1) worker ready\n")
+    stderr.write("\rgrpo:  33%|###       | 1/3")
+    stderr.write("\n")
+    stdout.write("held-out accuracy: 9.7% at the last validation\n")
+    assert shown.getvalue() == (
+        "\rgrpo:   0%|          | 0/3\n(PolicyWorker pid=1) worker ready\n\rgrpo:   0%|          | 0/3"
+        "\rgrpo:  33%|###       | 1/3\nheld-out accuracy: 9.7% at the last validation\n"
+    )
