@@ -4,12 +4,20 @@ helpers.py)."""
 import os
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "algos"))
+
+# torch's compiler keeps one cache of kernels whatever ATEN_CPU_CAPABILITY says: under avx2 on an AVX-512 CPU, the
+# kernels a run under the CPU's own instruction set had cached gave FlexAttention's shared prompts wrong outputs (6.9
+# nats), which a cache of their own does not. The tests run under another instruction set get one, as do their workers.
+if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    capability_cache = f"torchinductor_{os.environ['ATEN_CPU_CAPABILITY']}"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), capability_cache)
 
 
 @pytest.fixture(scope="session")
