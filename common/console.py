@@ -91,14 +91,12 @@ class Console:
         """`line` on the console; above the progress bar where one stands on the last line: the bar's line cleared (on a
         terminal; elsewhere ended), the line written, the bar drawn again. An empty line (the bar's own end) ends it."""
         bar = self.screen.bar
-        if bar and line:
-            self.shown.write("\r\x1b[2K" if self.shown.isatty() else "\n")
-        self.shown.write(line + "\n")
-        if bar and line:
-            self.shown.write(bar)
-            self.shown.flush()
-        else:
+        if not (bar and line):
+            self.shown.write(line + "\n")
             self.screen.bar = ""
+            return
+        self.shown.write(("\r\x1b[2K" if self.shown.isatty() else "\n") + line + "\n" + bar)
+        self.shown.flush()
 
     def shows(self, line: str) -> bool:
         """Whether the console shows `line`: the run's own lines always; a worker's line the first time only."""
