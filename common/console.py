@@ -101,9 +101,8 @@ class Console:
     def shows(self, line: str) -> bool:
         """Whether the console shows `line`: the run's own lines always; a worker's line the first time only."""
         plain = ANSI.sub("", line)
-        worker = WORKER.match(plain)
-        process = worker.group().strip() if worker else ""  # a worker's prefix, "" for the run's own lines
-        message = WORKER.sub("", plain)
+        worker = WORKER.match(plain)  # a worker's prefix; none on the run's own lines
+        process, message = (worker.group().strip(), plain[worker.end() :]) if worker else ("", plain)
         if HIDDEN.search(plain):
             if PYTHON_WARNING.search(plain):
                 self.hid_warning.add(process)
@@ -112,7 +111,7 @@ class Console:
             if SOURCE_LINE.match(message):
                 return False
             self.hid_warning.discard(process)
-        if message == plain:
+        if worker is None:
             return True
         message = re.sub(r"\[repeated \d+x across cluster\].*", "", WORKER.sub("", message))
         if not message.strip() or PROGRESS.search(message):
