@@ -11,7 +11,7 @@ process and without Ray:
 
 then the quick start as typed, `python algos/grpo_hybrid.py`, under Ray on the one GPU for a few steps (where Ray is
 installed); as one table, with the GPU's name, torch's version, the attention kernel and the micro-batches' layout.
-docs/gpu-check.md says how a session with a device runs it.
+docs/gpu-check.md says how to run it on a GPU machine, online or offline.
 
     python benchmarks/gpu_check.py        # one CUDA GPU: at most 8 minutes
     python benchmarks/gpu_check.py --cpu  # the same code at tiny sizes on the CPU, in seconds (CI runs it)

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Run here, before a device check: puts into .whl/ (ignored by git) what the check imports and the device machine
-# lacks, for its Python (3.12 unless given: `benchmarks/gpu_check_wheels.sh 3.11` builds this machine's) on x86-64:
+# For a GPU machine without internet access that has torch, transformers, peft and accelerate: run on a machine with
+# internet access, it puts into .whl/ (ignored by git) what benchmarks/gpu_check.py and gpu_step_trl.py import beyond
+# those, for the GPU machine's Python (3.12 unless given: `benchmarks/gpu_check_wheels.sh 3.11`) on x86-64:
 #   - tyro and what it needs (the scripts' flags);
 #   - Ray, this environment's version, as ray.tar.xz: its wheel without what the project never imports (rllib, data,
 #     train, tune, serve, llm, its Java jars, the dashboard's web client), tarred and compressed with xz -6, with
-#     jsonschema and what it needs (the one dependency of Ray's that the device machine lacks);
-#   - TRL and datasets with the two of datasets' needs the device machine lacks (dill, multiprocess), for
-#     benchmarks/gpu_step_trl.py; never a dependency of hybridrl.
-# It prints the size of it all: a call carries at most 64 MiB with the working tree. The device's command installs
-# the wheels and unpacks Ray into one folder (docs/gpu-check.md).
+#     jsonschema and what it needs;
+#   - TRL and datasets with dill and multiprocess, for benchmarks/gpu_step_trl.py; never a dependency of hybridrl.
+# It prints the size of it all (about 28 MB). On the GPU machine, install the wheels and unpack Ray into one folder on
+# PYTHONPATH (docs/gpu-check.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python_version="${1:-3.12}"

@@ -9,8 +9,8 @@ both sides generate every token (the mean response lengths are printed). Both ge
 hf engine, in one process (`--in-process`), and TRL's model.generate. Printed: seconds per step (mean over the steps
 after the first), each phase's seconds, generated tokens a second, and peak GPU memory.
 
-TRL is never a dependency of hybridrl: this Python needs trl and datasets importable (docs/gpu-check.md says what the
-device machine is given).
+TRL is never a dependency of hybridrl: this Python needs trl and datasets importable (docs/gpu-check.md says how to
+bring them to a machine without internet access).
 
     python benchmarks/gpu_step_trl.py         # one CUDA GPU, about 4 minutes
     python benchmarks/gpu_step_trl.py --cpu   # the same code at tiny sizes on the CPU
