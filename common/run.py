@@ -271,7 +271,8 @@ class Run:
         self._record_peak_memory(metrics)
         if step % args.save_freq == 0 or last:
             with timer("save", metrics):
-                driver = self.rollouts.checkpoint_state() | driver_state
+                with timer("save_in_flight", metrics):  # the engines finish the work in flight that the checkpoint keeps
+                    driver = self.rollouts.checkpoint_state() | driver_state
                 save_checkpoint(self.tracker.run_dir, step, self.groups | self.rollouts.groups(), driver, args.keep_last)
         self.tracker.log(metrics, step=step)
         self.postfix = dict(reward=f"{metrics['train/reward_mean']:.3f}", step_s=f"{step_time:.2f}")
@@ -305,7 +306,8 @@ class Run:
         if isinstance(error, WorkerDied):
             what = f"the {error}: {likely_cause(error)}"
         elif isinstance(error, WorkerStopped):
-            what = f"the {error}\nthe run stops rather than wait without end (a slower call than that: raise --call-timeout)"
+            longer = "a call that needs longer: raise --call-timeout"
+            what = f"the {error}\nthe run stops rather than wait for it without end ({longer})"
         elif isinstance(error, CheckpointNotWritten):
             what = f"{error}; free some space (or lower --keep-last)"
         elif isinstance(error, KeyboardInterrupt) and self.stop is None:

@@ -53,8 +53,8 @@ class WorkerStopped(RuntimeError):
         self.group, self.ranks, self.method = group, ranks, method
         which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
         super().__init__(
-            f"{group} worker {which} stopped answering during '{method}': no answer in {seconds:.0f} s ({bound}), "
-            f"its process still up; " + "; ".join(states)
+            f"{group} worker {which} stopped answering during '{method}': no answer in {seconds:.0f} s ({bound}); it did "
+            "not die: " + ("\n" if any("\n" in state for state in states) else "; ").join(states)
         )
 
 
@@ -268,9 +268,9 @@ class WorkerGroup:
 
     def bound_text(self, call: str) -> str:
         if call not in self.longest_wait:
-            return f"its first call is given {FIRST_CALL} x --call-timeout {self.call_timeout:g} s"
+            return f"the bound of a first call: {FIRST_CALL} x --call-timeout {self.call_timeout:g} s"
         longest = self.longest_wait[call]
-        return f"{SLOWER} x the {longest:.1f} s the longest took so far, at least --call-timeout {self.call_timeout:g} s"
+        return f"the bound: {SLOWER} x its longest so far, {longest:.1f} s, at least --call-timeout {self.call_timeout:g} s"
 
     def waited(self, call: str, seconds: float) -> None:
         self.longest_wait[call] = max(seconds, self.longest_wait.get(call, 0.0))
@@ -397,7 +397,8 @@ def _read(path: str) -> str:
 
 def _thread_of(stack: str, method: str) -> str:
     """Of faulthandler's dump of every thread, the frames of the one that runs `method` (else of the first that runs
-    this project's code, else of the first), innermost first."""
+    this project's code, else of the first), innermost first, without Ray's own (which run every call)."""
     threads = [block.strip() for block in stack.split("\n\n") if "File " in block]
     runs = [t for t in threads if f" in {method}" in t] or [t for t in threads if f"{os.sep}common{os.sep}" in t] or threads
-    return "\n".join("    " + line.strip() for line in runs[0].splitlines()[1:])
+    frames = [line.strip() for line in runs[0].splitlines()[1:] if f"{os.sep}ray{os.sep}" not in line]
+    return "\n".join("    " + frame for frame in frames)
