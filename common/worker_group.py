@@ -216,6 +216,7 @@ class WorkerGroup:
         answering (see FIRST_CALL, SLOWER)."""
         self.name, self.in_process = name, pool is None
         self.call_timeout, self.longest_wait = call_timeout, {}
+        self.processes = []  # (node, pid, stack file) of each rank, once each has said (Worker.watched)
         self.sequence_parallel = setup_kwargs.get("sequence_parallel", 1)
         self.sequence_parallel_methods = worker_cls.sequence_parallel_methods
         if self.in_process:
@@ -241,7 +242,7 @@ class WorkerGroup:
         try:
             if not self.in_process:
                 watched = [self._call(w, "watched", FIRST_CALL * call_timeout) for w in self.workers]
-                self.processes = self._get(watched, "watched")  # (node, pid, stack file) of each rank
+                self.processes = self._get(watched, "watched")
             [master] = self._get([self._call(self.workers[0], "master_address")], "master_address")
             self.broadcast("setup", master, **setup_kwargs)
         except BaseException:
@@ -361,6 +362,9 @@ class WorkerGroup:
                 ray.get(worker.__ray_ready__.remote())
             except _died():  # already
                 pass
+        for node, _, stack_file in self.processes:
+            if node == node_address():
+                Path(stack_file).unlink(missing_ok=True)
 
 
 class Pending:
