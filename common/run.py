@@ -149,8 +149,7 @@ class Run:
             lora_target_modules=args.lora_target_modules,
             sequence_parallel=args.sequence_parallel,
         )
-        group = WorkerGroup(worker_cls, self.pool, name, args.call_timeout, **(defaults | settings))
-        self.groups[name] = group
+        group = self.groups[name] = WorkerGroup(worker_cls, self.pool, name, args.call_timeout, **(defaults | settings))
         if args.micro_batch_tokens == "auto":  # measured once all of the worker is in memory (its engine too)
             share = 0.8 if args.max_memory_share is None else args.max_memory_share
             group.broadcast("keep_memory_within", share, 1 if self.pool is None else self.pool.max_colocated)

@@ -7,6 +7,11 @@ one after another. Without a pool, the group is one worker inside the
 driver's own process (no Ray): `breakpoint()` anywhere then stops in the
 user's terminal, and Ray need not be installed (this module imports it only
 where a group has Ray actors).
+
+The driver waits for no call without end: a rank that dies is named at once
+(WorkerDied), and one whose process stays up but gives no answer within a
+bound set by --call-timeout and the earlier waits for the same call is named
+with its state, stopped or the line of Python it stands on (WorkerStopped).
 """
 
 from __future__ import annotations
