@@ -172,8 +172,9 @@ def test_a_reward_model_worker_killed_names_it(uninterrupted_with_reward_model, 
 def test_a_killed_rollout_worker_names_it_and_leaves_the_checkpoint_whole(ray_cluster, demo_files, tmp_path, method):
     """An engine apart from the policy killed while it generates, or while it waits for prompts or weights (then the
     policy's next weight send is the first to miss it, and would report only a connection reset by its peer). The
-    batches generated before go on feeding steps until the next weights are due; the resumed run generates again from
-    the checkpoint's data position, so its samples are not the uninterrupted run's."""
+    batches generated before go on feeding steps until the next weights are due; the resumed run takes the batches the
+    checkpoint kept and goes on to the last step (that it then equals the run never stopped: the SIGTERM and kill -9
+    test below)."""
     started = time.time()
     process = start_script(
         "grpo_hybrid.py", *TINY, *ASYNC, "--total-steps", "12", "--save-freq", "1", "--keep-last", "1", cwd=tmp_path
