@@ -45,7 +45,8 @@ class WorkerDied(RuntimeError):
 
 # How long the driver waits for a call before it says a rank stopped answering: a method's first call (which may load
 # a model, compile, warm an engine up) FIRST_CALL x --call-timeout; later ones SLOWER x the longest it waited for the
-# same call of the same group so far, at least --call-timeout. The process groups' collectives get the first bound.
+# same call of the same group so far, or for any call of the group made before (a rank runs its calls in turn: a call
+# may wait behind another), at least --call-timeout. The process groups' collectives get the first bound.
 FIRST_CALL, SLOWER = 30, 5
 
 
@@ -220,7 +221,7 @@ class WorkerGroup:
         """`call_timeout`: --call-timeout, the least the driver waits for a call before it says a rank stopped
         answering (see FIRST_CALL, SLOWER)."""
         self.name, self.in_process = name, pool is None
-        self.call_timeout, self.longest_wait = call_timeout, {}
+        self.call_timeout, self.longest_wait, self.longest_repeated_wait = call_timeout, {}, 0.0
         self.processes = []  # (node, pid, stack file) of each rank, once each has said (Worker.watched)
         self.sequence_parallel = setup_kwargs.get("sequence_parallel", 1)
         self.sequence_parallel_methods = worker_cls.sequence_parallel_methods
@@ -270,15 +271,20 @@ class WorkerGroup:
         """The seconds the driver waits for `call` on this group (see FIRST_CALL, SLOWER)."""
         if call not in self.longest_wait:
             return FIRST_CALL * self.call_timeout
-        return max(self.call_timeout, SLOWER * self.longest_wait[call])
+        return max(self.call_timeout, SLOWER * self._longest(call))
+
+    def _longest(self, call: str) -> float:
+        return max(self.longest_wait[call], self.longest_repeated_wait)
 
     def bound_text(self, call: str) -> str:
         if call not in self.longest_wait:
             return f"the bound of a first call: {FIRST_CALL} x --call-timeout {self.call_timeout:g} s"
-        longest = self.longest_wait[call]
-        return f"the bound: {SLOWER} x its longest so far, {longest:.1f} s, at least --call-timeout {self.call_timeout:g} s"
+        longest, least = self._longest(call), f"at least --call-timeout {self.call_timeout:g} s"
+        return f"the bound: {SLOWER} x the longest wait for it or for a call made before, {longest:.1f} s, {least}"
 
     def waited(self, call: str, seconds: float) -> None:
+        if call in self.longest_wait:  # a first call's time (loading, compiling) says nothing of the others'
+            self.longest_repeated_wait = max(seconds, self.longest_repeated_wait)
         self.longest_wait[call] = max(seconds, self.longest_wait.get(call, 0.0))
 
     def process_state(self, rank: int) -> str:
