@@ -138,6 +138,19 @@ def _worker_died(group: str, rank: int, method: str, error: BaseException) -> Wo
     return WorkerDied(group, rank, method, out_of_memory=isinstance(error, ray.exceptions.OutOfMemoryError))
 
 
+STACKS = Path(tempfile.gettempdir()) / "hybridrl_stacks"  # where each worker's process writes its stack when asked
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 def node_address() -> str:
     ray = sys.modules.get("ray")  # a Ray actor has imported it; a process without Ray runs on this machine alone
     return ray.util.get_node_ip_address() if ray is not None and ray.is_initialized() else "127.0.0.1"
@@ -172,7 +185,11 @@ class Worker:
         `collective_timeout_s`, and SIGUSR1 writes every thread's stack to a file (faulthandler: from the signal
         handler, whatever the Python code is doing). Returns where it is: its node's address, its process, the file."""
         self.collective_timeout = datetime.timedelta(seconds=collective_timeout_s)
-        stacks = Path(tempfile.gettempdir()) / f"hybridrl_stack_{os.getpid()}.txt"
+        STACKS.mkdir(exist_ok=True)
+        for old in STACKS.glob("*.txt"):  # left empty by a process killed with its run: nothing to keep
+            if old.stat().st_size == 0 and not _alive(int(old.stem)):
+                old.unlink(missing_ok=True)
+        stacks = STACKS / f"{os.getpid()}.txt"
         self.stack_file = open(stacks, "w")  # kept open: faulthandler writes to its descriptor
         faulthandler.register(signal.SIGUSR1, file=self.stack_file, all_threads=True)
         return node_address(), os.getpid(), str(stacks)
