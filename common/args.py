@@ -178,6 +178,11 @@ class RunArgs:
     reward_timeout: float = flag(10.0, resumable=True)
     """seconds a reward function may take for one response (an environment for one step) before it is stopped and
     scores 0 (0: no limit)"""
+    call_timeout: float = flag(60.0, resumable=True, positive=True)
+    """the least seconds the run waits for a worker's answer to a call before it stops, saying the worker stopped
+    answering: 5 x the longest wait for the same call, or for a call of its group made before, where that is more;
+    30 x this for a method's first call (loading, compiling, warming up); the workers' collectives give up after 30 x
+    this"""
     max_reward_error_share: float = flag(0.5, resumable=True)
     """stop when the reward function fails for more than this share of a batch's responses (1: never)"""
     reward_model: str | None = None

@@ -106,7 +106,7 @@ class CheckpointNotWritten(RuntimeError):
 
 
 def save_checkpoint(run_dir: Path, step: int, groups: dict, driver_state: dict, keep_last: int) -> Path:
-    from common.worker_group import WorkerDied
+    from common.worker_group import WorkerDied, WorkerStopped
 
     final = Path(run_dir) / "checkpoints" / f"step_{step}"
     scratch = final.with_name(f".{final.name}.partial")
@@ -123,7 +123,7 @@ def save_checkpoint(run_dir: Path, step: int, groups: dict, driver_state: dict, 
     except Exception as error:
         free_bytes = shutil.disk_usage(final.parent).free
         shutil.rmtree(scratch, ignore_errors=True)  # the space a full disk needs to take the next one
-        if isinstance(error, WorkerDied):
+        if isinstance(error, (WorkerDied, WorkerStopped)):  # the worker's fault, not the disk's
             raise
         # a worker's error comes wrapped in Ray's, whose text is the worker's traceback: its last line says what
         raise CheckpointNotWritten(step, free_bytes, final.parent, str(error).strip().splitlines()[-1]) from error

@@ -135,7 +135,10 @@ class FSDPWorker(MemoryBudget, Worker):
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         addr, port = master
         if not dist.is_initialized():
-            dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world_size)
+            dist.init_process_group(
+                backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world_size,
+                timeout=self.collective_timeout,
+            )  # fmt: skip
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))  # FSDP shards over every rank
         self.attention = attention_implementation(self.device, self.compute_dtype)
         if self.attention == VARLEN:

@@ -65,6 +65,7 @@ class RolloutSupply:
             model_path=args.model_path,
             compute_dtype=args.compute_dtype,
             seed=args.seed,
+            call_timeout=args.call_timeout,
         )
 
     def _engine_settings(self) -> dict:
@@ -114,8 +115,7 @@ class RolloutSupply:
         generate = dict(max_response_length=args.max_response_length, top_p=args.top_p, top_k=args.top_k)
         while True:
             while self.engines.batches_asked() < args.max_staleness + 1:
-                position = self.train_loader.state_dict()
-                self.engines.ask(self.next_prompts().repeat(n, interleave=True), position, **generate)
+                self.engines.ask(self.next_prompts().repeat(n, interleave=True), **generate)
             batch = self.engines.take(metrics)
             batch["staleness"] = self.version - batch["weight_version"]
             if batch["staleness"].max() <= args.max_staleness:
@@ -153,19 +153,24 @@ class RolloutSupply:
             generated["weight_version"] = torch.full((len(generated),), self.version)
         return generated
 
-    def data_position(self) -> dict:
-        """Where the data stands for a resumed run: before the prompts of the batches the engines were asked for and
-        no step has trained on (a resumed run generates them again)."""
-        asked = self.engines.data_position() if self.engines is not None else None
-        return asked or self.train_loader.state_dict()
+    def checkpoint_state(self) -> dict:
+        """What a checkpoint keeps of the supply: the data's position and, with engines apart, the work they were asked
+        for and no step has trained on, finished first (SplitEngines.finish): the batches' samples, weight versions
+        and prompts (which the data's position is after), and the weight syncs whose probes are still to check."""
+        in_flight = self.engines.finish() if self.engines is not None else []
+        return {"loader": self.train_loader.state_dict(), "in_flight": in_flight}
 
-    def restore(self, version: int, data_position: dict) -> None:
-        """Stand where a checkpoint left the run: the policy at update `version`, the data at `data_position`."""
+    def restore(self, version: int, saved: dict) -> None:
+        """Stand where a checkpoint (its driver's state, `saved`) left the run: the policy at update `version`, the
+        data where it was, and the engines' work in flight taken first. (A checkpoint saved before it kept that work
+        has the data's position before its prompts: they are generated again.)"""
         self.version = version
-        self.train_loader.load_state_dict(data_position)
+        self.train_loader.load_state_dict(saved["loader"])
+        if self.engines is not None:
+            self.engines.resume(saved.get("in_flight", []))
 
     def groups(self) -> dict:
-        """The engines' worker group by name, if they are apart from the policy."""
+        """The engines' worker group by name, if they are apart from the policy (a checkpoint keeps their randomness)."""
         return {"rollout": self.engines.group} if self.engines is not None else {}
 
     def close(self) -> None:

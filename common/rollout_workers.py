@@ -19,7 +19,7 @@ from common.dataproto import DataProto
 from common.memory import record_peak_memory
 from common.rollout import response_batch
 from common.rollout_correction import check_probe
-from common.worker_group import ResourcePool, WorkerGroup, wait_all
+from common.worker_group import Pending, ResourcePool, WorkerGroup, wait_all
 from common.workers import RolloutWorker
 
 LOG_PROB_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
@@ -43,7 +43,7 @@ class SplitEngines:
         address, size = policy.broadcast("master_address")[0], count + 1
         wait_all(policy.submit("join_weight_group", address, size), self.group.submit("join_weight_group", address, size))
         # ("weights", version, the trainer's probe log-probs, call) and
-        # ("batch", prompts, the data's position, the engines' peak memory, call)
+        # ("batch", prompts, the engines' peak memory, call)
         self.in_flight, self.version = collections.deque(), None
 
     def send_weights(self, version: int) -> None:
@@ -64,12 +64,11 @@ class SplitEngines:
         self.in_flight.append(("weights", version, trainer_probe, receive))
         self.version = version
 
-    def ask(self, prompts: DataProto, position: dict, **generate) -> None:
-        """The engines generate `prompts` once done with what they were asked before; `position`: the data's before
-        them, where a resumed run starts again."""
+    def ask(self, prompts: DataProto, **generate) -> None:
+        """The engines generate `prompts` once done with what they were asked before."""
         call = self.group.submit_scatter("generate", prompts.select("prompts", "prompt_mask"), **generate)
         peaks = self.group.submit("phase_peak_memory")  # of the batch and the weights taken before it
-        self.in_flight.append(("batch", prompts, position, peaks, call))
+        self.in_flight.append(("batch", prompts, peaks, call))
 
     def batches_asked(self) -> int:
         return sum(entry[0] == "batch" for entry in self.in_flight)
@@ -83,7 +82,7 @@ class SplitEngines:
             if kind == "weights":
                 metrics |= check_probe(*entry, call.result(), self.logprob_bound)
                 continue
-            prompts, _, peaks = entry
+            prompts, peaks = entry
             batch = prompts | call.result()
             record_peak_memory(metrics, "rollout", peaks.result())
             idle = metrics.get("timing/rollout_idle", 0.0) + batch["engine_idle_s"].mean().item()  # the engines' mean
@@ -98,9 +97,28 @@ class SplitEngines:
             metrics |= check_probe(*entry, call.result(), self.logprob_bound)
         record_peak_memory(metrics, "rollout", self.group.broadcast("phase_peak_memory"))
 
-    def data_position(self) -> dict | None:
-        """The data's position before the oldest batch asked and not taken, if any."""
-        return next((entry[2] for entry in self.in_flight if entry[0] == "batch"), None)
+    def finish(self) -> list[tuple]:
+        """What the engines were asked and no step has taken, each answer waited for: the batches (prompts, samples,
+        weight versions) and the weight syncs whose probes are still to check. A checkpoint keeps it, and a resumed run
+        takes it (`resume`) where the stopped one would have; this run goes on taking it from the queue as before."""
+        self.in_flight = collections.deque(
+            tuple(Answered(part.result()) if isinstance(part, Pending) else part for part in entry) for entry in self.in_flight
+        )
+        return list(self.in_flight)
+
+    def resume(self, in_flight: list[tuple]) -> None:
+        """Take first what a checkpoint's run had asked and not taken (`finish`), before asking the engines anything."""
+        self.in_flight.extend(in_flight)
+
+
+class Answered:
+    """A call already answered (kept in a checkpoint), read as a Pending is."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
 
 
 def probe(prompts, eos_token_ids: list[int], pad_token_id: int | None, max_response_length: int) -> DataProto:

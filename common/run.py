@@ -149,7 +149,7 @@ class Run:
             lora_target_modules=args.lora_target_modules,
             sequence_parallel=args.sequence_parallel,
         )
-        group = self.groups[name] = WorkerGroup(worker_cls, self.pool, name, **(defaults | settings))
+        group = self.groups[name] = WorkerGroup(worker_cls, self.pool, name, args.call_timeout, **(defaults | settings))
         if args.micro_batch_tokens == "auto":  # measured once all of the worker is in memory (its engine too)
             share = 0.8 if args.max_memory_share is None else args.max_memory_share
             group.broadcast("keep_memory_within", share, 1 if self.pool is None else self.pool.max_colocated)
@@ -200,8 +200,8 @@ class Run:
 
         self.resumed = True
         if self.resume_from is not None:
-            saved = load_checkpoint(self.resume_from, self.groups)
-            self.rollouts.restore(saved["step"], saved["loader"])
+            saved = load_checkpoint(self.resume_from, self.groups | self.rollouts.groups())
+            self.rollouts.restore(saved["step"], saved)
             self.start_step = saved["step"] + 1
             print(f"resumed from {self.resume_from}")
             return {key: saved[key] for key in driver_state}
@@ -270,8 +270,9 @@ class Run:
         self._record_peak_memory(metrics)
         if step % args.save_freq == 0 or last:
             with timer("save", metrics):
-                driver = {"loader": self.rollouts.data_position(), **driver_state}
-                save_checkpoint(self.tracker.run_dir, step, self.groups, driver, args.keep_last)
+                with timer("save_in_flight", metrics):  # the engines finish the work in flight that the checkpoint keeps
+                    driver = self.rollouts.checkpoint_state() | driver_state
+                save_checkpoint(self.tracker.run_dir, step, self.groups | self.rollouts.groups(), driver, args.keep_last)
         self.tracker.log(metrics, step=step)
         self.postfix = dict(reward=f"{metrics['train/reward_mean']:.3f}", step_s=f"{step_time:.2f}")
         self.last_step = step
@@ -299,10 +300,13 @@ class Run:
         """A fault mid-run as one message: what happened, where the run stands and the command that continues it.
         (sys.excepthook: Ray's screens of traceback for a dead worker say no more, and hide the way back.)"""
         from common.checkpoint import CheckpointNotWritten, saved_checkpoints
-        from common.worker_group import WorkerDied
+        from common.worker_group import WorkerDied, WorkerStopped
 
         if isinstance(error, WorkerDied):
             what = f"the {error}: {likely_cause(error)}"
+        elif isinstance(error, WorkerStopped):
+            longer = "a call that needs longer: raise --call-timeout"
+            what = f"the {error}\nthe run stops rather than wait for it without end ({longer})"
         elif isinstance(error, CheckpointNotWritten):
             what = f"{error}; free some space (or lower --keep-last)"
         elif isinstance(error, KeyboardInterrupt) and self.stop is None:

@@ -81,7 +81,9 @@ class Scorer:
             compute_dtype=args.compute_dtype,
         )
         if args.reward_model is not None:
-            self.reward_model = WorkerGroup(RewardModelWorker, pool, "reward_model", model_path=args.reward_model, **model)
+            self.reward_model = WorkerGroup(
+                RewardModelWorker, pool, "reward_model", args.call_timeout, model_path=args.reward_model, **model
+            )
             return
         engine = dict(
             rollout_engine=args.rollout_engine,
@@ -90,7 +92,7 @@ class Scorer:
             max_model_len=args.judge_max_prompt_length + args.judge_max_tokens,
             temperature=1.0,
         )
-        group = WorkerGroup(JudgeWorker, pool, "judge", model_path=args.judge_model, **model, **engine)
+        group = WorkerGroup(JudgeWorker, pool, "judge", args.call_timeout, model_path=args.judge_model, **model, **engine)
         self.judge = Judge(
             group,
             self.judge_tokenizer,

@@ -150,14 +150,18 @@ def engine_adapter(model) -> dict[str, torch.Tensor]:
     return adapter_weights({name: param.full_tensor() for name, param in model.named_parameters() if is_adapter(name)})
 
 
-def join_group(address: tuple[str, int], rank: int, size: int, device: torch.device):
+def join_group(
+    address: tuple[str, int], rank: int, size: int, device: torch.device, timeout=datetime.timedelta(minutes=30)
+):
     """The weight group: the policy's rank 0 (rank 0 here, which serves the rendezvous at `address`) and every rollout
-    engine's process. A group apart from each side's own, so that neither needs the other in its collectives."""
+    engine's process. A group apart from each side's own, so that neither needs the other in its collectives.
+    `timeout`: how long a broadcast waits for its peers (an engine may finish a long generation before it joins one)."""
     host, port = address
-    timeout = datetime.timedelta(minutes=30)  # an engine may finish a long generation before it joins a broadcast
     store = dist.PrefixStore("weights", dist.TCPStore(host, port, size, rank == 0, timeout=timeout))
     if device.type == "cuda":
-        return dist.ProcessGroupNCCL(store, rank, size)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 

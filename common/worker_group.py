@@ -7,12 +7,24 @@ one after another. Without a pool, the group is one worker inside the
 driver's own process (no Ray): `breakpoint()` anywhere then stops in the
 user's terminal, and Ray need not be installed (this module imports it only
 where a group has Ray actors).
+
+The driver waits for no call without end: a rank that dies is named at once
+(WorkerDied), and one whose process stays up but gives no answer within a
+bound set by --call-timeout and the earlier waits for the same call is named
+with its state, stopped or the line of Python it stands on (WorkerStopped).
 """
 
 from __future__ import annotations
 
+import datetime
+import faulthandler
+import os
+import signal
 import socket
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,6 +43,27 @@ class WorkerDied(RuntimeError):
         super().__init__(f"{group} worker rank {rank} died during '{method}' ({cause})")
 
 
+# How long the driver waits for a call before it says a rank stopped answering: a method's first call (which may load
+# a model, compile, warm an engine up) FIRST_CALL x --call-timeout; later ones SLOWER x the longest it waited for the
+# same call of the same group so far, or for any call of the group made before (a rank runs its calls in turn: a call
+# may wait behind another), at least --call-timeout. The process groups' collectives get the first bound.
+FIRST_CALL, SLOWER = 30, 5
+
+
+class WorkerStopped(RuntimeError):
+    """Ranks `ranks` of the group `group` gave no answer to `method` within `seconds` while their processes stayed up
+    (stopped, or stuck: a collective that never completes, a kernel that never returns); `states`: what is known of
+    each one's process (stopped, or where its stack stands)."""
+
+    def __init__(self, group: str, ranks: list[int], method: str, seconds: float, bound: str, states: list[str]):
+        self.group, self.ranks, self.method = group, ranks, method
+        which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        super().__init__(
+            f"{group} worker {which} stopped answering during '{method}': no answer in {seconds:.0f} s ({bound}); it did "
+            "not die: " + ("\n" if any("\n" in state for state in states) else "; ").join(states)
+        )
+
+
 def _died() -> tuple[type[BaseException], ...]:
     """What Ray raises for a rank gone, or stopped by Ray's memory monitor."""
     import ray
@@ -38,17 +71,24 @@ def _died() -> tuple[type[BaseException], ...]:
     return (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError)
 
 
-def _gather(calls: list[tuple]) -> list:
+def _gather(calls: list[tuple], timed: list[tuple]) -> list:
     """The results of Ray calls, each given as (ref, group's name, rank, method), in their order. Waited for in
     completion order, so that a rank that dies is reported at once (WorkerDied), not after its peers time out inside a
     collective with it; a rank whose collective lost a peer can even fail before Ray reports that peer dead, and the
-    dead one is then the fault named."""
+    dead one is then the fault named. `timed`: (group, what the call is, see Pending) of each group called; a rank that
+    gives no answer within the longest of their bounds (WorkerGroup.bound) is reported as stopped (WorkerStopped)."""
     import ray
 
     named = {call[0]: call[1:] for call in calls}
     results, pending = {}, list(named)
+    bound = max(group.bound(call) for group, call in timed)
+    start = time.monotonic()
     while pending:
-        [ready], pending = ray.wait(pending, num_returns=1)
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, start + bound - time.monotonic()))
+        if not ready:
+            groups = {group.name: (group, call) for group, call in timed}
+            raise _stopped(groups, [named[ref] for ref in pending], time.monotonic() - start)
+        [ready] = ready
         try:
             results[ready] = ray.get(ready)
         except _died() as error:
@@ -58,7 +98,21 @@ def _gather(calls: list[tuple]) -> list:
             if dead is None:
                 raise
             raise _worker_died(*named[dead[0]], dead[1]) from error
+    for group, call in timed:
+        group.waited(call, time.monotonic() - start)
     return [results[call[0]] for call in calls]
+
+
+def _stopped(groups: dict, calls: list[tuple], seconds: float) -> WorkerStopped:
+    """The error for the ranks of `calls` ((group's name, rank, method) each) that gave no answer in `seconds`: those
+    whose processes are stopped (SIGSTOP, a debugger) if any, since their peers wait for them inside a collective;
+    else every one, with the line each one's stack stands on. `groups`: (group, what the call is) by name."""
+    stopped = [call for call in calls if groups[call[0]][0].process_state(call[1]) == "stopped"]
+    name, _, method = (stopped or calls)[0]
+    ranks = [rank for group, rank, _ in stopped or calls if group == name]
+    group, call = groups[name]
+    states = [group.describe(rank, method) for rank in ranks]
+    return WorkerStopped(name, ranks, method, seconds, group.bound_text(call), states)
 
 
 def _first_dead(pending: list, seconds: float = 5.0) -> tuple | None:
@@ -84,6 +138,24 @@ def _worker_died(group: str, rank: int, method: str, error: BaseException) -> Wo
     return WorkerDied(group, rank, method, out_of_memory=isinstance(error, ray.exceptions.OutOfMemoryError))
 
 
+STACKS = Path(tempfile.gettempdir()) / "hybridrl_stacks"  # where each worker's process writes its stack when asked
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def node_address() -> str:
+    ray = sys.modules.get("ray")  # a Ray actor has imported it; a process without Ray runs on this machine alone
+    return ray.util.get_node_ip_address() if ray is not None and ray.is_initialized() else "127.0.0.1"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -104,8 +176,23 @@ class Worker:
         self.phase_peaks: dict[str, float] = {}
 
     def master_address(self) -> tuple[str, int]:
-        ray = sys.modules.get("ray")  # a Ray actor has imported it; a process without Ray runs on this machine alone
-        return (ray.util.get_node_ip_address() if ray is not None and ray.is_initialized() else "127.0.0.1"), _free_port()
+        return node_address(), _free_port()
+
+    collective_timeout = datetime.timedelta(minutes=30)  # torch's default, until the driver says (watched)
+
+    def watched(self, collective_timeout_s: float) -> tuple[str, int, str]:
+        """Ready this rank for a driver that finds it not answering: its process groups' collectives give up after
+        `collective_timeout_s`, and SIGUSR1 writes every thread's stack to a file (faulthandler: from the signal
+        handler, whatever the Python code is doing). Returns where it is: its node's address, its process, the file."""
+        self.collective_timeout = datetime.timedelta(seconds=collective_timeout_s)
+        STACKS.mkdir(exist_ok=True)
+        for old in STACKS.glob("*.txt"):  # left empty by a process killed with its run: nothing to keep
+            if old.stat().st_size == 0 and not _alive(int(old.stem)):
+                old.unlink(missing_ok=True)
+        stacks = STACKS / f"{os.getpid()}.txt"
+        self.stack_file = open(stacks, "w")  # kept open: faulthandler writes to its descriptor
+        faulthandler.register(signal.SIGUSR1, file=self.stack_file, all_threads=True)
+        return node_address(), os.getpid(), str(stacks)
 
     def phase_peak_memory(self) -> dict[str, float]:
         """The peak memory (GB) of each method measured since the last call, by name (see `measured`)."""
@@ -147,8 +234,12 @@ class WorkerGroup:
     """N actors of `worker_cls` in one torch.distributed group, placed on `pool`; or, with no pool, one
     `worker_cls` in this process."""
 
-    def __init__(self, worker_cls, pool: ResourcePool | None, name: str, **setup_kwargs):
+    def __init__(self, worker_cls, pool: ResourcePool | None, name: str, call_timeout: float = 60.0, **setup_kwargs):
+        """`call_timeout`: --call-timeout, the least the driver waits for a call before it says a rank stopped
+        answering (see FIRST_CALL, SLOWER)."""
         self.name, self.in_process = name, pool is None
+        self.call_timeout, self.longest_wait, self.longest_repeated_wait = call_timeout, {}, 0.0
+        self.processes = []  # (node, pid, stack file) of each rank, once each has said (Worker.watched)
         self.sequence_parallel = setup_kwargs.get("sequence_parallel", 1)
         self.sequence_parallel_methods = worker_cls.sequence_parallel_methods
         if self.in_process:
@@ -172,7 +263,10 @@ class WorkerGroup:
                 for rank in range(self.world_size)
             ]
         try:
-            [master] = self._get([self._call(self.workers[0], "master_address")], "setup")
+            if not self.in_process:
+                watched = [self._call(w, "watched", FIRST_CALL * call_timeout) for w in self.workers]
+                self.processes = self._get(watched, "watched")
+            [master] = self._get([self._call(self.workers[0], "master_address")], "master_address")
             self.broadcast("setup", master, **setup_kwargs)
         except BaseException:
             self.shutdown()  # give their share of the placement group back
@@ -184,10 +278,60 @@ class WorkerGroup:
             return getattr(worker, method)(*args, **kwargs)
         return getattr(worker, method).remote(*args, **kwargs)
 
-    def _get(self, refs, method: str) -> list:
+    def _get(self, refs, method: str, call: str | None = None) -> list:
+        """The results of `method` on every rank; `call`: what the call is, for its bound (see Pending)."""
         if self.in_process:
             return refs
-        return _gather([(ref, self.name, rank, method) for rank, ref in enumerate(refs)])
+        return _gather([(ref, self.name, rank, method) for rank, ref in enumerate(refs)], [(self, call or method)])
+
+    def bound(self, call: str) -> float:
+        """The seconds the driver waits for `call` on this group (see FIRST_CALL, SLOWER)."""
+        if call not in self.longest_wait:
+            return FIRST_CALL * self.call_timeout
+        return max(self.call_timeout, SLOWER * self._longest(call))
+
+    def _longest(self, call: str) -> float:
+        return max(self.longest_wait[call], self.longest_repeated_wait)
+
+    def bound_text(self, call: str) -> str:
+        if call not in self.longest_wait:
+            return f"the bound of a first call: {FIRST_CALL} x --call-timeout {self.call_timeout:g} s"
+        longest, least = self._longest(call), f"at least --call-timeout {self.call_timeout:g} s"
+        return f"the bound: {SLOWER} x the longest wait for it or for a call made before, {longest:.1f} s, {least}"
+
+    def waited(self, call: str, seconds: float) -> None:
+        if call in self.longest_wait:  # a first call's time (loading, compiling) says nothing of the others'
+            self.longest_repeated_wait = max(seconds, self.longest_repeated_wait)
+        self.longest_wait[call] = max(seconds, self.longest_wait.get(call, 0.0))
+
+    def process_state(self, rank: int) -> str:
+        """'stopped' if rank `rank`'s process is stopped (SIGSTOP, a debugger: it cannot answer), 'running', or
+        'elsewhere' on another node (whose /proc this driver cannot read)."""
+        node, pid, _ = self.processes[rank]
+        if node != node_address():
+            return "elsewhere"
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return "running"  # no /proc (macOS): ask for its stack all the same
+        return "stopped" if state in "Tt" else "running"
+
+    def describe(self, rank: int, method: str) -> str:
+        """What is known of rank `rank`'s process: stopped, or the lines of Python its threads stand on (asked for
+        with SIGUSR1, see Worker.watched)."""
+        node, pid, stack_file = self.processes[rank]
+        state = self.process_state(rank)
+        if state == "stopped":
+            return f"rank {rank}'s process ({pid}) is stopped (SIGSTOP, or a debugger holds it), so it cannot say where"
+        if state == "elsewhere":
+            return f"rank {rank}'s process ({pid}) is on node {node}: `kill -USR1 {pid}` writes its stack in {stack_file}"
+        os.kill(pid, signal.SIGUSR1)
+        deadline, stack = time.monotonic() + 5, ""
+        while time.monotonic() < deadline and not (stack := _read(stack_file)):
+            time.sleep(0.1)
+        if not stack:
+            return f"rank {rank}'s process ({pid}) wrote no stack to {stack_file} in 5 s"
+        return f"rank {rank}'s process ({pid}) stands at (every thread's stack in {stack_file}):\n{_thread_of(stack, method)}"
 
     def broadcast(self, method: str, *args, **kwargs) -> list:
         """Call `method` with the same arguments on every rank; one result per rank."""
@@ -229,7 +373,7 @@ class WorkerGroup:
                 return DataProto.concat(results)[np.argsort(np.concatenate(parts))].unpad(pad)
             return results
 
-        return Pending(self, refs, method, reassemble)
+        return Pending(self, refs, method, reassemble, call=f"{method} of {len(data)} rows")
 
     def shutdown(self) -> None:
         """Kill every rank and wait until each is gone, so that the next group finds its memory free
@@ -246,22 +390,47 @@ class WorkerGroup:
                 ray.get(worker.__ray_ready__.remote())
             except _died():  # already
                 pass
+        for node, _, stack_file in self.processes:
+            if node == node_address():
+                Path(stack_file).unlink(missing_ok=True)
 
 
 class Pending:
     """A method under way on every rank of a group (WorkerGroup.submit, submit_scatter)."""
 
-    def __init__(self, group: WorkerGroup, refs: list, method: str, reassemble=lambda results: results):
+    def __init__(self, group: WorkerGroup, refs: list, method: str, reassemble=lambda results: results, call=None):
+        """`call`: what the call is, whose earlier waits set its bound (WorkerGroup.bound): the method, and for a
+        scatter the rows it deals (a validation's batch need not take as long as a step's)."""
         self.group, self.refs, self.method, self.reassemble = group, refs, method, reassemble
+        self.call = call or method
 
     def result(self):
-        """Wait for every rank; the group's result (a rank that died: WorkerDied)."""
-        return self.reassemble(self.group._get(self.refs, self.method))
+        """Wait for every rank; the group's result (a rank that died: WorkerDied; one that gave no answer within the
+        bound: WorkerStopped)."""
+        return self.reassemble(self.group._get(self.refs, self.method, self.call))
 
 
 def wait_all(*calls: Pending) -> list:
     """The results of methods under way on several groups whose ranks meet in one collective (the policy sending
     weights, the rollout workers receiving them): a rank that dies in either group is reported at once, not after
     the others time out waiting for it."""
-    _gather([(ref, c.group.name, rank, c.method) for c in calls if not c.group.in_process for rank, ref in enumerate(c.refs)])
+    ranks = [(ref, c.group.name, rank, c.method) for c in calls if not c.group.in_process for rank, ref in enumerate(c.refs)]
+    if ranks:
+        _gather(ranks, [(call.group, call.call) for call in calls if not call.group.in_process])
     return [call.result() for call in calls]
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def _thread_of(stack: str, method: str) -> str:
+    """Of faulthandler's dump of every thread, the frames of the one that runs `method` (else of the first that runs
+    this project's code, else of the first), innermost first, without Ray's own (which run every call)."""
+    threads = [block.strip() for block in stack.split("\n\n") if "File " in block]
+    runs = [t for t in threads if f" in {method}" in t] or [t for t in threads if f"{os.sep}common{os.sep}" in t] or threads
+    frames = [line.strip() for line in runs[0].splitlines()[1:] if f"{os.sep}ray{os.sep}" not in line]
+    return "\n".join("    " + frame for frame in frames)

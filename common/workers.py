@@ -16,10 +16,12 @@ from __future__ import annotations
 import functools
 import os
 import queue
+import random
 import shutil
 import time
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -217,7 +219,7 @@ class PolicyWorker(FSDPWorker, EngineWorker):
         from concurrent.futures import ThreadPoolExecutor
 
         if self.rank == 0:
-            self.weight_group = weight_sync.join_group(address, 0, size, self.device)
+            self.weight_group = weight_sync.join_group(address, 0, size, self.device, self.collective_timeout)
             self.sender, self.sending = ThreadPoolExecutor(max_workers=1), None
 
     @measured
@@ -402,7 +404,10 @@ class RolloutWorker(EngineWorker):
             torch.cuda.set_device(self.device)
         addr, port = master
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world_size)
+        dist.init_process_group(
+            backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world_size,
+            timeout=self.collective_timeout,
+        )  # fmt: skip
         torch.manual_seed(seed + self.rank)
         self.temperature, self.adapter_config = temperature, adapter_config
         tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -435,7 +440,7 @@ class RolloutWorker(EngineWorker):
 
     def join_weight_group(self, address: tuple[str, int], size: int) -> None:
         """Join the policy's rank 0 in the weight group, as rank 1 and up (see weight_sync.join_group)."""
-        self.weight_group = weight_sync.join_group(address, self.rank + 1, size, self.device)
+        self.weight_group = weight_sync.join_group(address, self.rank + 1, size, self.device, self.collective_timeout)
 
     @measured
     @torch.no_grad()
@@ -473,6 +478,28 @@ class RolloutWorker(EngineWorker):
         logits = self.model(torch.tensor([tokens], device=self.device)).logits[0, -answer_length - 1 : -1].float()
         answer = torch.tensor(tokens[-answer_length:], device=self.device)
         return torch.log_softmax(logits, dim=-1).gather(-1, answer[:, None]).squeeze(-1).cpu()
+
+    def save(self, path: str) -> None:
+        """The engine's randomness, once it generated every batch it was asked before (a checkpoint holds those
+        batches): the resumed engine then samples what this one would have. Its weights need nothing: every weight
+        sync replaces them all, and the resumed run's first step sends them."""
+        os.makedirs(path, exist_ok=True)
+        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state()
+        torch.save(rng, os.path.join(path, f"rng_rank{self.rank}.pt"))
+
+    def load(self, path: str) -> None:
+        """The randomness `save` kept (a checkpoint saved before it did has none: the engine keeps its seed's)."""
+        file = os.path.join(path, f"rng_rank{self.rank}.pt")
+        if not os.path.exists(file):
+            return
+        rng = torch.load(file, weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        if "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"])
 
     def generate(self, data: DataProto, max_response_length: int, **sampling) -> DataProto:
         """EngineWorker.generate, each sample tagged with its `weight_version` and the seconds the engine had waited,

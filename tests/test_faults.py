@@ -17,7 +17,7 @@ from ray import cloudpickle
 from safetensors.torch import load_file
 
 from common.checkpoint import complete_checkpoints
-from common.worker_group import Worker, WorkerDied, WorkerGroup
+from common.worker_group import Worker, WorkerDied, WorkerGroup, WorkerStopped
 from helpers import TINY, comparable, metric_rows, run_command, run_script, start_script, wait_for_steps
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Peers' workers have no tests folder to import from
@@ -27,9 +27,9 @@ STEPS = ["--total-steps", "4", "--save-freq", "1", "--keep-last", "1"]
 ASYNC = ["--num-workers", "1", "--rollout-workers", "1", "--rollout-engine", "hf", "--max-staleness", "1"]
 
 
-def run_to_the_end(folder, algo: str, *flags):
+def run_to_the_end(folder, algo: str, *flags, steps=STEPS):
     """The metrics and the exported weights of the run that the interrupted ones must end up as."""
-    result = run_script(f"{algo}_hybrid.py", *TINY, *STEPS, *flags, cwd=folder)
+    result = run_script(f"{algo}_hybrid.py", *TINY, *steps, *flags, cwd=folder)
     assert result.returncode == 0, result.stderr[-3000:]
     [run_dir] = (folder / "runs").iterdir()
     return metric_rows(run_dir), load_file(run_dir / "model" / "model.safetensors")
@@ -172,8 +172,9 @@ def test_a_reward_model_worker_killed_names_it(uninterrupted_with_reward_model, 
 def test_a_killed_rollout_worker_names_it_and_leaves_the_checkpoint_whole(ray_cluster, demo_files, tmp_path, method):
     """An engine apart from the policy killed while it generates, or while it waits for prompts or weights (then the
     policy's next weight send is the first to miss it, and would report only a connection reset by its peer). The
-    batches generated before go on feeding steps until the next weights are due; the resumed run generates again from
-    the checkpoint's data position, so its samples are not the uninterrupted run's."""
+    batches generated before go on feeding steps until the next weights are due; the resumed run takes the batches the
+    checkpoint kept and goes on to the last step (that it then equals the run never stopped: the SIGTERM and kill -9
+    test below)."""
     started = time.time()
     process = start_script(
         "grpo_hybrid.py", *TINY, *ASYNC, "--total-steps", "12", "--save-freq", "1", "--keep-last", "1", cwd=tmp_path
@@ -192,6 +193,35 @@ def test_a_killed_rollout_worker_names_it_and_leaves_the_checkpoint_whole(ray_cl
     assert f"resumed from {checkpoint}" in resumed.stdout
     # every step logged once: none after the last checkpoint had been logged when the engine died
     assert [row["step"] for row in metric_rows(run_dir)] == list(range(1, 13))
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_an_asynchronous_run_stopped_by_sigterm_then_killed_resumes_as_if_never_stopped(ray_cluster, demo_files, tmp_path,
+                                                                                        algo):  # fmt: skip
+    """An asynchronous run (the engine a step ahead) stopped by SIGTERM after its first step saves the batch the engine
+    had generated and no step trained on, with the engine's randomness; its resume, killed with SIGKILL once it logged
+    step 5, resumes again from its last checkpoint, step 4 (saved every second step): step 5 runs again. Each piece trains
+    on exactly what the run never interrupted trains on: its metrics and weights, to the bit."""
+    flags = [*TINY, *ASYNC, "--total-steps", "6", "--save-freq", "2", "--keep-last", "1"]
+    (tmp_path / "straight").mkdir()
+    straight = run_to_the_end(tmp_path / "straight", algo, *flags[len(TINY) :], steps=[])
+    (tmp_path / "stopped").mkdir()
+    cwd = tmp_path / "stopped"
+    process = start_script(f"{algo}_hybrid.py", *flags, cwd=cwd)
+    run_dir = wait_for_steps(cwd, 1, process)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr[-3000:]
+    [checkpoint] = complete_checkpoints(run_dir)
+    stopped_at = int(checkpoint.name.removeprefix("step_"))
+    assert stopped_at < 4 and torch.load(checkpoint / "driver.pt", weights_only=False)["in_flight"]
+    process = start_script(f"{algo}_hybrid.py", *flags, "--resume", "auto", cwd=cwd)
+    wait_for_steps(cwd, 5, process)
+    process.kill()
+    process.communicate(timeout=60)
+    [checkpoint] = complete_checkpoints(run_dir)
+    assert checkpoint.name == "step_4"  # step 5 is logged, and runs again
+    continues(shlex.join(process.args), str(checkpoint.resolve()), cwd, straight)
 
 
 def test_a_killed_driver_leaves_no_worker_and_resumes(uninterrupted, tmp_path):
@@ -311,3 +341,71 @@ def test_a_worker_stopped_by_rays_memory_monitor_names_the_flags_that_lower_memo
     assert "--micro-batch-size" in likely_cause(update) and "--gradient-checkpointing" in likely_cause(update)
     assert "--log-prob-chunk-tokens" in likely_cause(WorkerDied("policy", 0, "compute_log_prob", out_of_memory=True))
     assert "killed (SIGKILL" in likely_cause(WorkerDied("critic", 1, "compute_values", out_of_memory=False))
+
+
+class Sleeper(Worker):
+    """Ranks of a group that answer, or not."""
+
+    def setup(self, master):
+        pass
+
+    def sleep(self, seconds: float, rank: int):
+        """Rank `rank` sleeps `seconds`; the others answer at once."""
+        if self.rank == rank:
+            time.sleep(seconds)
+        return self.rank
+
+
+def test_a_rank_that_stops_answering_is_named_with_its_stack_or_as_stopped(cpu_pool):
+    """No answer within the bound: --call-timeout (here 1 s) for a call measured shorter. A rank stuck in Python is
+    named with the line it stands on; a rank stopped by SIGSTOP, which can say nothing, as stopped."""
+    group = WorkerGroup(Sleeper, cpu_pool, "sleepers", call_timeout=1.0)
+    try:
+        assert group.broadcast("sleep", 0.0, 1) == [0, 1]
+        start = time.monotonic()
+        with pytest.raises(WorkerStopped) as stuck:
+            group.broadcast("sleep", 600.0, 1)
+        assert time.monotonic() - start < 10
+        message = str(stuck.value)
+        assert message.startswith("sleepers worker rank 1 stopped answering during 'sleep': no answer in 1 s (the bound: 5 x")
+        assert re.search(r"rank 1's process \(\d+\) stands at \(every thread's stack in \S+\):\n +File \S+test_faults.py\", "
+                         r"line \d+ in sleep", message), message  # fmt: skip
+        _, pid, _ = group.processes[1]
+        os.kill(pid, signal.SIGSTOP)
+        with pytest.raises(WorkerStopped, match=r"rank 1 stopped answering during 'sleep'.*rank 1's process \(\d+\) is "
+                           r"stopped \(SIGSTOP, or a debugger holds it\), so it cannot say where"):  # fmt: skip
+            group.broadcast("sleep", 0.0, 1)
+    finally:
+        group.shutdown()
+
+
+def stopped_and_reported(tmp_path, group: str, actor: str, *flags, algo="grpo"):
+    """After the run's first step, stop a worker of `group` (its class `actor`) with SIGSTOP: the run must stop within
+    the bound (--call-timeout 10 s, the calls of the tiny model measured shorter) plus the time to say so, naming the
+    group, the rank and its state, the last checkpoint and the command that continues the run."""
+    started = time.time()
+    process = start_script(f"{algo}_hybrid.py", *TINY, *STEPS, "--call-timeout", "10", *flags, cwd=tmp_path)
+    wait_for_steps(tmp_path, 1, process)
+    [worker, *_] = [p for p in ray_workers(started) if re.match(rf"ray::{actor}\b", title_of(p))]
+    worker.suspend()
+    stopped = time.monotonic()
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode != 0 and "Traceback" not in stderr, stderr[-3000:]
+    stop = rf"the {group} worker rank \d stopped answering during '\w+': no answer in \d+ s \(.*--call-timeout 10 s\)"
+    state = rf"; it did not die: rank \d's process \({worker.pid}\) is stopped \(SIGSTOP"
+    assert re.search(stop + state, stderr), stderr[-3000:]
+    assert re.search(r"the last complete checkpoint is \S+/checkpoints/step_\d+ \(step \d+\)\ncontinue with:\n  .+ "
+                     r"--resume auto\n", stderr), stderr  # fmt: skip
+    assert time.monotonic() - stopped < 90
+
+
+def test_a_stopped_policy_worker_is_reported_within_the_bound(ray_cluster, demo_files, tmp_path):
+    stopped_and_reported(tmp_path, "policy", "PolicyWorker")
+
+
+def test_a_stopped_rollout_worker_is_reported_within_the_bound(ray_cluster, demo_files, tmp_path):
+    stopped_and_reported(tmp_path, "rollout", "RolloutWorker", *ASYNC)
+
+
+def test_a_stopped_reward_model_worker_is_reported(ray_cluster, demo_files, reward_model, tmp_path):  # noqa: F811
+    stopped_and_reported(tmp_path, "reward_model", "RewardModelWorker", "--reward-model", reward_model)

@@ -206,9 +206,9 @@ def test_steps_on_a_rollout_worker(ray_cluster, demo_files, tmp_path, algo, flag
         assert max(row["rollout_corr/chi2_centered_token"] for row in steps) > 0
 
 
-def test_sigterm_saves_where_the_engines_batches_begin_and_the_run_resumes(ray_cluster, demo_files, tmp_path):
-    """The batches the engine was asked for and no step trained on are not saved: the checkpoint's data position is
-    before their prompts, so that the resumed run generates them again."""
+def test_sigterm_saves_the_engines_batches_in_flight_and_the_run_resumes(ray_cluster, demo_files, tmp_path):
+    """The batches the engine was asked for and no step trained on (2, with --max-staleness 2) are saved with the
+    checkpoint, generated to their end, and the data's position after their prompts: the resumed run trains on them."""
     flags = [*TINY, *ASYNC, "--max-staleness", "2", "--save-freq", "1000"]
     process = start_script("grpo_hybrid.py", *flags, "--total-steps", "500", cwd=tmp_path)
     run_dir = wait_for_steps(tmp_path, 2, process)
@@ -217,7 +217,9 @@ def test_sigterm_saves_where_the_engines_batches_begin_and_the_run_resumes(ray_c
     assert process.returncode == 0, stderr[-3000:]
     [checkpoint] = complete_checkpoints(run_dir)
     step = int(checkpoint.name.removeprefix("step_"))
-    assert torch.load(checkpoint / "driver.pt", weights_only=False)["loader"] == {"epoch": 0, "batch_index": step}
+    driver = torch.load(checkpoint / "driver.pt", weights_only=False)
+    assert driver["loader"] == {"epoch": 0, "batch_index": step + 2}
+    assert [entry[0] for entry in driver["in_flight"]].count("batch") == 2
     result = run_script("grpo_hybrid.py", "--total-steps", str(step + 2), "--resume", "auto", *flags, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"runs/{run_dir.name}/checkpoints/step_{step}" in result.stdout
