@@ -102,7 +102,7 @@ def load_env(spec: str):
         raise ValueError(f"--env '{spec}': {path} defines no class '{name}'")
     if not callable(getattr(env_cls, "step", None)) and not tool_methods(env_cls):
         raise ValueError(
-            f"--env '{spec}': {name} has neither a step(text) method nor public methods that are tools (docs/multi-turn.md)"
+            f"--env '{spec}': {name} has neither a step(text) method nor public methods that are tools (docs/tools.md)"
         )
     stop_strings = getattr(env_cls, "stop_strings", [])
     if not isinstance(stop_strings, (list, tuple)) or not all(isinstance(s, str) and s for s in stop_strings):
@@ -161,7 +161,6 @@ class Environments:
             tools = self.tools_of(name)
             self._schemas[name] = {tool: tool_schema(function, f"--env {name}") for tool, function in tools.items()}
         return self._schemas[name]
-
 
     def check(self, tokenizer, eos_token_ids: list[int]) -> dict[str, dict | None]:
         """Each environment's tools by name (see schemas), once the chat template is checked to render them

@@ -164,7 +164,8 @@ def test_the_schemas_reach_the_prompt_through_the_chat_template(tool_tokenizer, 
     }
     batch = batch_of(tool_tokenizer, tmp_path, [row("3*4=")], environments)
     prompt = tool_tokenizer.decode(batch["prompts"][0][batch["prompt_mask"][0].bool()])
-    assert prompt.startswith("<|im_start|>system\n# Tools\n") and prompt.endswith("<|im_start|>user\n3*4=<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt.startswith("<|im_start|>system\n# Tools\n")
+    assert prompt.endswith("<|im_start|>user\n3*4=<|im_end|>\n<|im_start|>assistant\n")
     for schema in schemas.values():  # as JSON in the system message, as Qwen2.5's template writes them
         assert "\n" + json.dumps(schema) + "\n" in prompt
 
@@ -195,7 +196,8 @@ def test_calls_are_parsed_well_formed_or_not(tool_tokenizer, own, monkeypatch):
     framed = lambda text: text.replace("<tool_call>", opener).replace("</tool_call>", closer)  # noqa: E731
     parse = lambda text: parse_tool_calls(tokenizer, framed(text), prefix, schemas)  # noqa: E731
     two = call("multiply", a=3, b=4) + "\n" + call("divide", a=3, b=4) + "<|im_end|>"
-    assert parse(two) == [{"name": "multiply", "arguments": {"a": 3, "b": 4}}, {"name": "divide", "arguments": {"a": 3, "b": 4}}]
+    arguments = {"a": 3, "b": 4}
+    assert parse(two) == [{"name": "multiply", "arguments": arguments}, {"name": "divide", "arguments": arguments}]
     assert parse('<tool_call>{"name": "multiply", "arguments": {"a": "3", "b": 4}}</tool_call>') == [
         {"name": "multiply", "arguments": {"a": 3, "b": 4}}  # cast to the schema's integer
     ]
@@ -241,7 +243,7 @@ def test_the_episode_is_the_templates_rendering_of_its_calls_and_results(tool_to
     episodes = play(tokenizer, batch, environments, script)
     assert episodes["ending"].tolist() == ["answered", "answered"] and episodes["turns"].tolist() == [2, 2]
     assert episodes["tool_calls"].tolist() == [2, 1] and episodes["tool_errors"].tolist() == [0, 1]
-    tool_call = lambda a, b: {"type": "function", "function": {"name": "multiply", "arguments": {"a": a, "b": b}}}  # noqa: E731
+    tool_call = lambda a, b: {"type": "function", "function": {"name": "multiply", "arguments": {"a": a, "b": b}}}  # noqa
     conversation = [
         {"role": "user", "content": "37*48="},
         {"role": "assistant", "content": "", "tool_calls": [tool_call(37, 48), tool_call(2, 3)]},
@@ -258,7 +260,8 @@ def test_the_episode_is_the_templates_rendering_of_its_calls_and_results(tool_to
     assert tokenizer.decode(episodes["responses"][0][own]) == first + "<|im_end|>" + "1776<|im_end|>"
     # the malformed call is answered with the error message, as a tool message
     answer = tokenizer.decode(episodes["responses"][1][~episodes["response_mask"][1].bool()]).replace("<pad>", "")
-    assert answer == "\n<|im_start|>user\n<tool_response>\nerror: the tool call could not be parsed; write it as the system message shows\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    error = "error: the tool call could not be parsed; write it as the system message shows"
+    assert answer == f"\n<|im_start|>user\n<tool_response>\n{error}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_a_tool_that_raises_hangs_or_exits_ends_its_episode_alone(tool_tokenizer, tools_file, tmp_path, capsys):
@@ -301,7 +304,8 @@ def test_environments_with_tool_methods_and_a_reward_picked_per_row(tool_tokeniz
     episodes = play(tokenizer, batch, environments, script)
     assert episodes["episode_score"].tolist() == [1.0, 0.0, None, 0.0]  # Store's get_reward; Counter has none
     assert episodes["ending"].tolist() == ["answered", "answered", "answered", "answered"]
-    assert episodes["tool_calls"].tolist() == [1, 2, 2, 0] and episodes["tool_errors"].tolist() == [0, 1, 0, 0]  # tick is not Store's
+    assert episodes["tool_calls"].tolist() == [1, 2, 2, 0]
+    assert episodes["tool_errors"].tolist() == [0, 1, 0, 0]  # tick is not Store's
     assert "<tool_response>\n2\n</tool_response>" in tokenizer.decode(episodes["responses"][2])  # its state kept
     with pytest.raises(DataError, match="field 'env' names 'Shop', not one of --env's environments"):
         batch_of(tokenizer, tmp_path, [row("?", env="Shop")], environments)
@@ -357,7 +361,8 @@ def test_tools_without_a_template_for_them_stop_before_any_worker(demo_files, tm
     stop = stop_in_process("grpo_hybrid.py", *flags, "--chat-template", "chatml_tool", cwd=tmp_path, monkeypatch=monkeypatch)
     assert "--chat-template chatml_tool: no such file, and no built-in of that name (chatml_tools)" in stop
     (tmp_path / "echo.py").write_text("class Echo:\n    def step(self, text):\n        return None\n")
-    stop = stop_in_process("grpo_hybrid.py", *flags, "--env", f"{tmp_path}/echo.py:Echo", cwd=tmp_path, monkeypatch=monkeypatch)
+    flags += ["--env", f"{tmp_path}/echo.py:Echo"]
+    stop = stop_in_process("grpo_hybrid.py", *flags, cwd=tmp_path, monkeypatch=monkeypatch)
     assert "a step(text) environment reads the model's turns itself" in stop
 
 
