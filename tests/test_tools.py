@@ -321,6 +321,12 @@ def test_a_template_that_ignores_tools_stops_the_run(tool_tokenizer, tmp_path):
     plain.chat_template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     with pytest.raises(ValueError, match="ignores tools .* pass --chat-template chatml_tools"):
         check_tool_template(plain, schemas, ["<|im_end|>"])
+    # like Qwen3's: the last assistant turn alone shows its thinking, so a tool message after it changes it
+    plain.chat_template = tool_tokenizer.chat_template.replace(
+        "{{- '<|im_start|>assistant' }}", "{{- '<|im_start|>assistant' + ('\\n<think></think>' if loop.last else '') }}"
+    )
+    with pytest.raises(ValueError, match="renders the assistant's tool call differently once a tool message follows"):
+        check_tool_template(plain, schemas, ["<|im_end|>"])
     check_tool_template(tool_tokenizer, schemas, ["<|im_end|>"])
 
 
