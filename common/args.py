@@ -71,9 +71,18 @@ class RunArgs:
     """most tokens generated per response; with --env, most tokens of an episode (the model's and the environment's)"""
     env: str | None = None
     """multi-turn episodes: the environment that answers the model's turns, `path/to/file.py:ClassName` or a built-in
-    (calculator); its steps run isolated like rewards, under --reward-workers and --reward-timeout (docs/multi-turn.md)"""
+    (calculator), a class with step(text) or whose public methods are tools; several comma-separated, a data row's
+    `env` field naming its own; its calls run isolated like rewards, under --reward-workers and --reward-timeout
+    (docs/multi-turn.md)"""
+    tools: list[str] | None = None
+    """multi-turn episodes with tools, typed Python functions the model calls: `path/to/file.py:fn_a,fn_b` or a
+    built-in (multiply), several space-separated; offered beside an --env's tool methods (docs/tools.md)"""
+    chat_template: str | None = None
+    """the chat template prompts and episodes are rendered with, in place of the model's (exported with it): a Jinja
+    file, or a built-in (chatml_tools: ChatML with Qwen's and Hermes' tool calls, for a model whose template knows no
+    tools)"""
     max_turns: int = flag(4, positive=True)
-    """with --env: most model turns per episode"""
+    """with --env or --tools: most model turns per episode"""
 
     num_workers: int | None = flag(None, positive=True)
     """policy processes, one per GPU (per CPU slot without GPUs); default: every GPU this machine has, 2 without GPUs
@@ -282,10 +291,10 @@ def check_args(args: RunArgs) -> None:
             f"--max-staleness is {args.max_staleness}: above 0, the engines generate while the policy trains, which "
             "needs engines apart from the policy's processes (--rollout-workers 1 or more); 0 is the synchronous loop"
         )
-    if args.max_staleness and args.env:
+    if args.max_staleness and (args.env or args.tools):
         raise ValueError(
-            "--env runs episodes turn by turn with the environment, a batch at a time: drop --max-staleness (the "
-            "engines apart, --rollout-workers, still generate them)"
+            "--env and --tools run episodes turn by turn with the environment, a batch at a time: drop --max-staleness "
+            "(the engines apart, --rollout-workers, still generate them)"
         )
     if args.rollout_workers and args.offload:
         raise ValueError("--offload makes room for an engine in the policy's processes: drop it with --rollout-workers")
@@ -329,8 +338,9 @@ def check_torchvision() -> None:
             ) from error
 
 
-def load_tokenizer(model_path: str, flag: str = "--model-path"):
-    """The tokenizer of a model folder or hub id, with a message that names `flag` and says what is missing."""
+def load_tokenizer(model_path: str, flag: str = "--model-path", chat_template: str | None = None):
+    """The tokenizer of a model folder or hub id, with a message that names `flag` and says what is missing; with
+    `chat_template` (--chat-template: a built-in's name or a Jinja file) in place of its own."""
     from transformers import AutoTokenizer
 
     path = Path(model_path)
@@ -340,9 +350,14 @@ def load_tokenizer(model_path: str, flag: str = "--model-path"):
         if not (path / "config.json").is_file():
             raise ValueError(f"{flag} {model_path}: no config.json in it; pass a folder saved by save_pretrained")
     try:
-        return AutoTokenizer.from_pretrained(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError) as error:
         raise ValueError(f"{flag} {model_path}: no tokenizer could be loaded from it ({error})") from error
+    if chat_template is not None:
+        from common.tools import read_chat_template
+
+        tokenizer.chat_template = read_chat_template(chat_template)
+    return tokenizer
 
 
 def check_reward_model(path: str) -> None:

@@ -2,7 +2,8 @@
 
 Each row: `prompt` (a list of chat messages, dicts with `role` and `content`),
 `data_source` (names the reward function), `reward_model` (a dict with
-`ground_truth`) and optionally `extra_info` (a dict, passed to the reward).
+`ground_truth`) and optionally `extra_info` (a dict, passed to the reward) and
+`env` (with several --env environments: the one whose episode the row plays).
 """
 
 from __future__ import annotations
@@ -100,22 +101,35 @@ def check_row(row, path: str, index: int) -> None:
         )
     if row.get("extra_info") is not None and not isinstance(row["extra_info"], dict):
         raise DataError(f"{where}: field 'extra_info' must be a dict when present")
+    if row.get("env") is not None and not isinstance(row["env"], str):
+        raise DataError(f"{where}: field 'env' must be a string naming one of --env's environments when present")
 
 
-def render_prompt(messages: list[dict], tokenizer) -> str:
-    """The chat template when the tokenizer has one, the messages' text otherwise."""
+def render_prompt(messages: list[dict], tokenizer, tools: list[dict] | None = None) -> str:
+    """The chat template when the tokenizer has one (with `tools`' JSON schemas), the messages' text otherwise."""
     if tokenizer.chat_template:
-        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(list(messages), tools=tools, add_generation_prompt=True, tokenize=False)
     return "\n".join(m["content"] for m in messages)
 
 
-def load_prompts(files: list[str], tokenizer, max_prompt_length: int, truncate: bool = False) -> DataProto:
-    """Read, check and tokenise every row of `files`; raise on the first bad one."""
-    prompt_ids, data_sources, ground_truths, extra_infos, texts, messages = [], [], [], [], [], []
+def load_prompts(
+    files: list[str], tokenizer, max_prompt_length: int, truncate: bool = False, envs: dict | None = None
+) -> DataProto:
+    """Read, check and tokenise every row of `files`; raise on the first bad one. `envs`: with --env or --tools, each
+    environment's tools by name (their schemas, rendered in the prompt; None for a step(text) environment): a row's
+    `env` field names its environment, kept as `env`, else the first."""
+    prompt_ids, data_sources, ground_truths, extra_infos, texts, messages, env_names = [], [], [], [], [], [], []
     for path in data_files(files):
         for index, row in enumerate(read_rows(path)):
             check_row(row, path, index)
-            text = render_prompt(row["prompt"], tokenizer)
+            env_name = row.get("env") or (next(iter(envs)) if envs else None)
+            if env_name is not None and env_name not in (envs or {}):
+                raise DataError(
+                    f"{path}, row {index}: field 'env' names {env_name!r}, not one of --env's environments "
+                    f"({', '.join(envs or {}) or 'no --env given'}); pass it to --env, or fix the row"
+                )
+            schemas = envs[env_name] if envs else None
+            text = render_prompt(row["prompt"], tokenizer, list(schemas.values()) if schemas else None)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(ids) > max_prompt_length:
                 if not truncate:
@@ -130,16 +144,16 @@ def load_prompts(files: list[str], tokenizer, max_prompt_length: int, truncate: 
             data_sources.append(row["data_source"])
             ground_truths.append(row["reward_model"]["ground_truth"])
             extra_infos.append(row.get("extra_info") or {})
-    return DataProto.from_dict(
-        non_tensors={
-            "prompt_ids": prompt_ids,
-            "prompt_text": texts,
-            "prompt_messages": messages,
-            "data_source": data_sources,
-            "ground_truth": ground_truths,
-            "extra_info": extra_infos,
-        }
-    )
+            env_names.append(env_name)
+    rows = {
+        "prompt_ids": prompt_ids,
+        "prompt_text": texts,
+        "prompt_messages": messages,
+        "data_source": data_sources,
+        "ground_truth": ground_truths,
+        "extra_info": extra_infos,
+    }
+    return DataProto.from_dict(non_tensors=rows | ({"env": env_names} if envs else {}))
 
 
 def collate(rows: DataProto, pad_token_id: int) -> DataProto:

@@ -1,9 +1,9 @@
 """Multi-turn episodes: the model takes a turn, an environment (a tool, a game) answers, and so on until it ends.
 
 An environment is a plain Python class, named like a reward (`--env path/to/file.py:ClassName`), or built in
-(`--env calculator`). One object plays one episode:
+(`--env calculator`); one object plays one episode. It takes one of two shapes:
 
-    class Echo:
+    class Echo:                      # step(text): it reads the model's turn itself
         stop_strings = ["</call>"]   # optional: text that ends a model turn, besides EOS
 
         def reset(self, data_source, ground_truth, extra_info):   # a new episode, for one row of the data
@@ -15,29 +15,51 @@ An environment is a plain Python class, named like a reward (`--env path/to/file
             # None: it ends, and the reward function scores this last turn
             ...
 
-Its steps run in isolated processes as rewards do (common/isolation.py), one call at a time, and the object
-travels between them from one turn to the next (pickled): it must hold only state that pickles.
+    class Store:                     # tools: its public methods, called as the chat template frames calls
+        def reset(self, data_source, ground_truth, extra_info):   # keywords: take what you need, **fields the rest
+            self.stock = {"apple": 3}
+
+        def count(self, item: str) -> int:
+            \"\"\"How many of an item the store holds.
+
+            Args:
+                item: The item's name.
+            \"\"\"
+            return self.stock.get(item, 0)
+
+        def get_reward(self) -> float:   # optional: the episode's score, when it ends; else the reward function's
+            ...
+
+The second is TRL's `environment_factory` shape; --tools functions (common/tools.py) are offered beside its methods, or
+alone without --env. An episode of tools ends when the model answers without a call. Several environments, comma-
+separated, serve one run: a data row's `env` field names its own (the class's name, or the built-in's).
+
+Its turns run in isolated processes as rewards do (common/isolation.py), one call at a time, and the object travels
+between them from one turn to the next (pickled): it must hold only state that pickles.
 
 What the model generated is kept as the engine's token ids and never encoded again: only the environment's answers
-are encoded, framed by the chat template as a "tool" message when the tokenizer has one (see AnswerFraming).
+are encoded, framed by the chat template as "tool" messages (AnswerFraming; ToolResultFraming for tool calls).
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
+import inspect
 import math
 import os
 import pickle
 import re
+import shlex
 import sys
 import traceback
 from dataclasses import dataclass, field
 
-from common.isolation import REPORTED_FAILURES, CallKind
+from common.isolation import REPORTED_FAILURES, CallKind, load_user_file
+from common.tools import ToolResultFraming, call_tool, check_tool_template, load_tools, parse_tool_calls, tool_schema
 
-# How an episode ended, logged as the share of each under env/ended_<how>.
-ENDINGS = ("by_env", "max_turns", "token_limit", "error", "timeout")
+# How an episode ended, logged as the share of each under env/ended_<how>; `answered`: a turn without a tool call.
+ENDINGS = ("by_env", "answered", "max_turns", "token_limit", "error", "timeout")
+ROW_FIELDS = ("data_source", "ground_truth", "extra_info")  # what reset gets of a data row
+NOT_TOOLS = ("reset", "step", "get_reward")  # public methods of an environment that are not tools
 
 
 class Calculator:
@@ -75,50 +97,159 @@ def load_env(spec: str):
         raise ValueError(f"--env '{spec}': name a built-in ({', '.join(BUILTIN_ENVS)}) or write path/to/file.py:ClassName")
     if not os.path.isfile(path):
         raise ValueError(f"--env '{spec}': no file {path}")
-    # Under a name every process derives alike, so that an episode's object pickled in one unpickles in another;
-    # loaded once per process, so that the class an object was made from stays the one pickle finds.
-    module_name = "user_env_" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:16]
-    if module_name not in sys.modules:
-        module_spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_name] = module
-        try:
-            module_spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[module_name]
-            raise
-    module = sys.modules[module_name]
-    env_cls = getattr(module, name, None)
-    if not isinstance(env_cls, type) or not callable(getattr(env_cls, "step", None)):
-        raise ValueError(f"--env '{spec}': {path} defines no class '{name}' with a step(text) method")
+    env_cls = getattr(load_user_file(path), name, None)
+    if not isinstance(env_cls, type):
+        raise ValueError(f"--env '{spec}': {path} defines no class '{name}'")
+    if not callable(getattr(env_cls, "step", None)) and not tool_methods(env_cls):
+        raise ValueError(
+            f"--env '{spec}': {name} has neither a step(text) method nor public methods that are tools (docs/tools.md)"
+        )
     stop_strings = getattr(env_cls, "stop_strings", [])
     if not isinstance(stop_strings, (list, tuple)) or not all(isinstance(s, str) and s for s in stop_strings):
         raise ValueError(f"--env '{spec}': stop_strings must be a list of non-empty strings, got {stop_strings!r}")
     return env_cls
 
 
-ENV_CALLS = CallKind("env", "--env", load="common.envs:load_env", call="common.envs:call_env")
+def tool_methods(env_cls) -> list[str]:
+    """The names of `env_cls`'s methods that are tools: the public ones but reset, step and get_reward."""
+    methods = inspect.getmembers(env_cls, inspect.isfunction)
+    return [name for name, _ in methods if not name.startswith("_") and name not in NOT_TOOLS]
 
 
-def call_env(env_cls, state: bytes | None, row: tuple, text: str) -> tuple:
-    """One turn of an episode: ("ok", (the environment's state after it, its reply)) or ("error", kind, traceback).
-    The state is the environment object, pickled; None before the first turn, when a new one is made and reset from
-    `row` (data_source, ground_truth, extra_info)."""
+class Environments:
+    """What --env and --tools name, loaded alike in the run and in every environment process: each environment's class
+    by its name (None: --tools alone, under the name ""), and the standalone tools, which every environment that is not
+    a step(text) one offers beside its methods. `spec`: the flags, as episode_spec writes them."""
+
+    def __init__(self, classes: dict, tools: dict, spec: str = ""):
+        self.classes, self.tools, self.spec = classes, tools, spec
+        self.names = list(classes)
+        self.stop_strings = sorted({s for c in classes.values() for s in getattr(c, "stop_strings", [])})
+        self._schemas = {}
+        for name in self.names:
+            if self.reads_text(name) and tools:
+                raise ValueError(
+                    f"--tools with --env {name}: a step(text) environment reads the model's turns itself and offers no "
+                    "tools; give the tools to an environment whose methods are tools, or drop --tools"
+                )
+
+    @classmethod
+    def of(cls, env_cls) -> Environments:
+        """One environment class alone, by its own name."""
+        return cls({env_cls.__name__: env_cls}, {})
+
+    def reads_text(self, name: str) -> bool:
+        return callable(getattr(self.classes[name], "step", None))
+
+    def scores(self, name: str) -> bool:
+        return callable(getattr(self.classes[name], "get_reward", None))
+
+    def tools_of(self, name: str, env=None) -> dict:
+        """The tools of an episode of environment `name`: the standalone ones, then its methods, bound to `env` (to a
+        bare instance, made without running its __init__, for their schemas)."""
+        env_cls = self.classes[name]
+        if env_cls is None:
+            return dict(self.tools)
+        env = object.__new__(env_cls) if env is None else env
+        return self.tools | {method: getattr(env, method) for method in tool_methods(env_cls)}
+
+    def schemas(self, name: str) -> dict[str, dict] | None:
+        """The JSON schemas of environment `name`'s tools by tool name; None for a step(text) environment."""
+        if self.classes[name] is not None and self.reads_text(name):
+            return None
+        if name not in self._schemas:
+            tools = self.tools_of(name)
+            self._schemas[name] = {tool: tool_schema(function, f"--env {name}") for tool, function in tools.items()}
+        return self._schemas[name]
+
+    def check(self, tokenizer, eos_token_ids: list[int]) -> dict[str, dict | None]:
+        """Each environment's tools by name (see schemas), once the chat template is checked to render them
+        (check_tool_template) if any environment has tools."""
+        tools = {name: self.schemas(name) for name in self.names}
+        every_schema = [schema for schemas in tools.values() for schema in (schemas or {}).values()]
+        if any(schemas is not None for schemas in tools.values()):
+            check_tool_template(tokenizer, every_schema, tokenizer.convert_ids_to_tokens(eos_token_ids))
+        return tools
+
+
+def episode_spec(env: str | None, tools: list[str] | None) -> str:
+    """--env and --tools as flags in one string: what an environment process loads (load_environments)."""
+    return shlex.join((["--env", env] if env else []) + (["--tools", *tools] if tools else []))
+
+
+def load_environments(spec: str) -> Environments:
+    """The Environments of `spec` (episode_spec's flags): each of --env's comma-separated environments, by the
+    built-in's or the class's name, and --tools' tools."""
+    flags, current = {"--env": [], "--tools": []}, None
+    for word in shlex.split(spec):
+        if word in flags:
+            current = word
+        else:
+            flags[current].append(word)
+    classes = {}
+    for env_spec in ",".join(flags["--env"]).split(",") if flags["--env"] else []:
+        env_cls = load_env(env_spec)
+        name = env_spec if env_spec in BUILTIN_ENVS else env_cls.__name__
+        if name in classes:
+            raise ValueError(f"--env: two environments are named {name}; a data row's `env` field picks one by its name")
+        classes[name] = env_cls
+    tools = load_tools(flags["--tools"])
+    both = sorted(set(tools) & {method for env_cls in classes.values() for method in tool_methods(env_cls)})
+    if both:
+        raise ValueError(f"--tools and --env both offer tools named {', '.join(both)}: rename one")
+    return Environments(classes or {"": None}, tools, spec)
+
+
+ENV_CALLS = CallKind("env", "", load="common.envs:load_environments", call="common.envs:call_env")
+
+
+def call_env(environments: Environments, name: str, state: bytes | None, row: tuple, action: tuple) -> tuple:
+    """One call of an episode of environment `name`: ("ok", (the environment's state after it, what it returned)) or
+    ("error", kind, traceback). The state is the environment object, pickled; None before the first call, when a new
+    one is made and reset from `row` (data_source, ground_truth, extra_info), and with --tools alone. `action`:
+    ("text", the model's turn) for step(text), which returns its reply, a score or None; ("tools", calls parsed by
+    parse_tool_calls), which returns each call's (result, whether it is an error message); ("reward",), get_reward's
+    score."""
     try:
-        if state is None:
+        env_cls = environments.classes[name]
+        if state is not None:
+            env = pickle.loads(state)
+        elif env_cls is None:
+            env = None
+        else:
             env = env_cls()
             if callable(getattr(env, "reset", None)):
-                env.reset(*row)
+                text_env = environments.reads_text(name)
+                observation = env.reset(*row) if text_env else env.reset(**dict(zip(ROW_FIELDS, row)))
+                if observation is not None and not text_env:
+                    raise ValueError("reset returned a value: an episode's prompt is its data row's; return None")
+        kind = action[0]
+        if kind == "text":
+            reply = env.step(action[1])
+            if not (reply is None or isinstance(reply, str)):
+                reply = finite_score(reply, "step")
+        elif kind == "tools":
+            tools, schemas = environments.tools_of(name, env), environments.schemas(name)
+            reply = []
+            for call in action[1]:
+                if "error" in call:
+                    reply.append((call["error"], True))
+                elif call["name"] not in tools:
+                    reply.append((f"error: there is no tool {call['name']}; the tools: {', '.join(tools)}", True))
+                else:
+                    reply.append(call_tool(tools[call["name"]], schemas[call["name"]], call["arguments"]))
         else:
-            env = pickle.loads(state)
-        reply = env.step(text)
-        if not (reply is None or isinstance(reply, str)):
-            reply = float(reply)  # anything but a string, a number or None fails here, as the environment's error
-            if not math.isfinite(reply):
-                raise ValueError(f"step returned the score {reply}; a score must be a finite number")
-        return "ok", (pickle.dumps(env), reply)
+            reply = finite_score(env.get_reward(), "get_reward")
+        return "ok", (None if env is None else pickle.dumps(env), reply)
     except (Exception, SystemExit) as error:
         return "error", type(error).__name__, traceback.format_exc()
+
+
+def finite_score(value, method: str) -> float:
+    score = float(value)  # anything but a number fails here, as the environment's error
+    if not math.isfinite(score):
+        raise ValueError(f"{method} returned the score {score}; a score must be a finite number")
+    return score
 
 
 class AnswerFraming:
@@ -167,6 +298,7 @@ def stop_end(tokens: list[int], stop_strings: list[str], tokenizer) -> int | Non
 class Episode:
     prompt: list[int]
     row: tuple  # data_source, ground_truth, extra_info
+    env_name: str
     tokens: list[int] = field(default_factory=list)
     own: list[bool] = field(default_factory=list)  # which tokens the model generated
     log_probs: list[float] = field(default_factory=list)
@@ -175,14 +307,17 @@ class Episode:
     last_turn: str = ""
     ending: str | None = None
     score: float | None = None
+    tool_calls: int = 0
+    tool_errors: int = 0  # calls answered with an error message: malformed, unknown tool, wrong arguments
 
 
-def run_episodes(policy, batch, env_calls, stop_strings, tokenizer, eos_token_ids, max_turns, max_response_length, sampling):
-    """Play one episode per row of `batch`: the model's turns generated by `policy` (either engine, `sampling` as its
-    generate takes it), the environment's steps made by `env_calls` (CallProcesses or InProcessCalls of ENV_CALLS).
-    Returns what one turn's generate returns, with `response_mask` over the model's own tokens alone and
-    `max_response_length` tokens for the whole episode; and per row `final_turn` (the text a reward scores),
-    `episode_score` (the environment's score, or None), `turns` and `ending` (one of ENDINGS)."""
+def run_episodes(policy, batch, env_calls, environments, tokenizer, eos_token_ids, max_turns, max_response_length, sampling):
+    """Play one episode per row of `batch`, of the environment its `env` names (else the first of `environments`): the
+    model's turns generated by `policy` (either engine, `sampling` as its generate takes it), the environment's calls
+    made by `env_calls` (CallProcesses or InProcessCalls of ENV_CALLS). Returns what one turn's generate returns, with
+    `response_mask` over the model's own tokens alone and `max_response_length` tokens for the whole episode; and per
+    row `final_turn` (the text a reward scores), `episode_score` (the environment's score, or None), `turns`, `ending`
+    (one of ENDINGS), `tool_calls` and `tool_errors`."""
     import torch
 
     from common.data import collate
@@ -190,8 +325,11 @@ def run_episodes(policy, batch, env_calls, stop_strings, tokenizer, eos_token_id
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
     frame = AnswerFraming(tokenizer)
+    frame_results = ToolResultFraming(tokenizer, tokenizer.convert_ids_to_tokens(eos_token_ids))
     rows = zip(batch["data_source"], batch["ground_truth"], batch["extra_info"])
-    episodes = [Episode(p[m.bool()].tolist(), row) for p, m, row in zip(batch["prompts"], batch["prompt_mask"], rows)]
+    names = batch["env"] if "env" in batch else [environments.names[0]] * len(batch)
+    prompts = [p[m.bool()].tolist() for p, m in zip(batch["prompts"], batch["prompt_mask"])]
+    episodes = [Episode(prompt, row, name) for prompt, row, name in zip(prompts, rows, names)]
     failures = {}
     for turn in range(max_turns):
         active = [e for e in episodes if e.ending is None]
@@ -204,15 +342,17 @@ def run_episodes(policy, batch, env_calls, stop_strings, tokenizer, eos_token_id
             contexts.select("prompts", "prompt_mask"),
             **sampling,
             max_response_length=budget,
-            stop_strings=stop_strings,
+            stop_strings=environments.stop_strings,
         )
         lengths = out["response_mask"].sum(-1).long().tolist()  # up to the first EOS
+        calls = {}  # per episode of tools, the calls of its turn
         for episode, tokens, log_probs, length in zip(active, out["responses"], out["rollout_log_probs"], lengths):
             tokens, room = tokens[:length].tolist(), max_response_length - len(episode.tokens)
-            end = stop_end(tokens, stop_strings, tokenizer)
+            end = stop_end(tokens, environments.stop_strings, tokenizer)
             if end is None and tokens and tokens[-1] in eos_token_ids:
                 end = len(tokens)
             kept = min(len(tokens), room) if end is None or end > room else end
+            context = episode.prompt + episode.tokens
             episode.tokens += tokens[:kept]
             episode.own += [True] * kept
             episode.log_probs += log_probs[:kept].tolist()
@@ -220,35 +360,49 @@ def run_episodes(policy, batch, env_calls, stop_strings, tokenizer, eos_token_id
             episode.last_turn = tokenizer.decode(tokens[:kept], skip_special_tokens=True)
             if end is None or end > room:  # the model was still writing when the episode's tokens ran out
                 episode.ending = "token_limit"
+            elif not environments.reads_text(episode.env_name):
+                schemas = list(environments.schemas(episode.env_name).values())
+                turn_text, context_text = tokenizer.decode(tokens[:kept]), tokenizer.decode(context)
+                calls[id(episode)] = parse_tool_calls(tokenizer, turn_text, context_text, schemas)
+                if not calls[id(episode)]:
+                    episode.ending = "answered"
         stepping = [e for e in active if e.ending is None]
-        for episode, outcome in zip(stepping, env_calls([(e.env, e.row, e.last_turn) for e in stepping])):
+        actions = [("tools", calls[id(e)]) if id(e) in calls else ("text", e.last_turn) for e in stepping]
+        outcomes = env_calls([(e.env_name, e.env, e.row, action) for e, action in zip(stepping, actions)]) if stepping else []
+        for episode, action, outcome in zip(stepping, actions, outcomes):
             if outcome[0] != "ok":
-                episode.ending, episode.score = outcome[0], 0.0
-                if outcome[0] == "error":
-                    failures.setdefault(outcome[1], (episode, outcome[2]))
+                fail(episode, outcome, failures)
                 continue
             episode.env, reply = outcome[1]
-            if not isinstance(reply, str):
+            if action[0] == "tools":
+                episode.tool_calls += len(reply)
+                episode.tool_errors += sum(error for _, error in reply)
+            elif not isinstance(reply, str):
                 episode.ending, episode.score = "by_env", reply
-            elif turn + 1 == max_turns:
+                continue
+            if turn + 1 == max_turns:
                 episode.ending = "max_turns"
+                continue
+            ended_with_eos = episode.tokens[-1] in eos_token_ids
+            if action[0] == "tools":
+                answer = frame_results(action[1], [result for result, _ in reply], ended_with_eos)
             else:
-                answer = frame(reply, ended_with_eos=episode.tokens[-1] in eos_token_ids)
-                if len(episode.tokens) + len(answer) >= max_response_length:  # no room left to act on it
-                    episode.ending = "token_limit"
-                    continue
-                episode.tokens += answer
-                episode.own += [False] * len(answer)
-                episode.log_probs += [0.0] * len(answer)
-    for kind, (episode, trace) in failures.items():
-        if f"env {kind}" in REPORTED_FAILURES:  # once per kind and run, as the reward's failures
-            continue
-        REPORTED_FAILURES.add(f"env {kind}")
-        print(
-            f"the environment failed ({kind}) after the turn {episode.last_turn!r} of an episode for {episode.row}:\n"
-            f"{trace}The episode ends with score 0 and counts in env/ended_error; fix the environment.",
-            file=sys.stderr,
-        )
+                answer = frame(reply, ended_with_eos)
+            if len(episode.tokens) + len(answer) >= max_response_length:  # no room left to act on it
+                episode.ending = "token_limit"
+                continue
+            episode.tokens += answer
+            episode.own += [False] * len(answer)
+            episode.log_probs += [0.0] * len(answer)
+    # an environment with get_reward scores each of its episodes that did not fail, however it ended
+    scored = [e for e in episodes if e.ending not in ("error", "timeout") and environments.scores(e.env_name)]
+    outcomes = env_calls([(e.env_name, e.env, e.row, ("reward",)) for e in scored]) if scored else []
+    for episode, outcome in zip(scored, outcomes):
+        if outcome[0] != "ok":
+            fail(episode, outcome, failures)
+        else:
+            episode.env, episode.score = outcome[1]
+    report_failures(failures)
     responses = torch.full((len(episodes), max_response_length), pad, dtype=torch.long)
     own = torch.zeros(len(episodes), max_response_length)
     log_probs = torch.zeros(len(episodes), max_response_length)
@@ -273,12 +427,39 @@ def run_episodes(policy, batch, env_calls, stop_strings, tokenizer, eos_token_id
             "episode_score": [e.score for e in episodes],
             "turns": [e.turns for e in episodes],
             "ending": [e.ending for e in episodes],
+            "tool_calls": [e.tool_calls for e in episodes],
+            "tool_errors": [e.tool_errors for e in episodes],
         },
     )
 
 
+def fail(episode: Episode, outcome: tuple, failures: dict) -> None:
+    """End `episode` with score 0 for an environment's call that failed or ran out of time; keep the first traceback of
+    each kind of failure for report_failures."""
+    episode.ending, episode.score = outcome[0], 0.0
+    if outcome[0] == "error":
+        failures.setdefault(outcome[1], (episode, outcome[2]))
+
+
+def report_failures(failures: dict) -> None:
+    for kind, (episode, trace) in failures.items():
+        if f"env {kind}" in REPORTED_FAILURES:  # once per kind and run, as the reward's failures
+            continue
+        REPORTED_FAILURES.add(f"env {kind}")
+        print(
+            f"the environment failed ({kind}) after the turn {episode.last_turn!r} of an episode for {episode.row}:\n"
+            f"{trace}The episode ends with score 0 and counts in env/ended_error; fix the environment.",
+            file=sys.stderr,
+        )
+
+
 def episode_metrics(batch, prefix: str) -> dict[str, float]:
-    """Model turns per episode on average, and the share of episodes that ended each way (ENDINGS)."""
-    endings = list(batch["ending"])
-    metrics = {f"{prefix}turns_mean": sum(batch["turns"]) / len(endings)}
-    return metrics | {f"{prefix}ended_{how}": endings.count(how) / len(endings) for how in ENDINGS}
+    """Model turns and tool calls (and those answered with an error message) per episode on average, and the share of
+    episodes that ended each way (ENDINGS)."""
+    endings, episodes = list(batch["ending"]), len(batch)
+    metrics = {
+        f"{prefix}turns_mean": sum(batch["turns"]) / episodes,
+        f"{prefix}tool_calls": sum(batch["tool_calls"]) / episodes,
+        f"{prefix}tool_errors": sum(batch["tool_errors"]) / episodes,
+    }
+    return metrics | {f"{prefix}ended_{how}": endings.count(how) / episodes for how in ENDINGS}

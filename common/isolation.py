@@ -10,7 +10,9 @@ module imports neither, so common/rewards.py and common/envs.py each build on it
 from __future__ import annotations
 
 import atexit
+import hashlib
 import importlib
+import importlib.util
 import math
 import mmap
 import os
@@ -44,6 +46,10 @@ class CallKind:
     call: str
     builtin: str = ""
 
+    def describe(self, spec: str | None) -> str:
+        """The flag and its value, as a message names the code (an empty `flag`: `spec` holds its flags)."""
+        return " ".join(filter(None, (self.flag, spec)))
+
     def function(self, which: str):
         return import_function(getattr(self, which))
 
@@ -52,6 +58,22 @@ def import_function(name: str):
     """The function `module:function` names."""
     module, _, function = name.partition(":")
     return getattr(importlib.import_module(module), function)
+
+
+def load_user_file(path: str):
+    """The module of the user's file `path`, loaded once per process under a name every process derives alike, so that
+    an object pickled in one process (an environment between turns) unpickles in another from the same class."""
+    module_name = "user_code_" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:16]
+    if module_name not in sys.modules:
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[module_name]
+            raise
+    return sys.modules[module_name]
 
 
 class CallTimeout(BaseException):  # not an Exception, so that the user's own `except Exception` cannot swallow it
@@ -226,7 +248,7 @@ class CallProcesses:
             code = worker.process.wait()
             if not worker.sent:
                 kind = self.kind
-                raise UserCodeError(f"a {kind.name} process exited with code {code} while loading {kind.flag} {self.spec}")
+                raise UserCodeError(f"a {kind.name} process exited with code {code} while loading {kind.describe(self.spec)}")
             death = (
                 f"the {self.kind.name} process died with exit code {code} during this call (a crash in C code, a "
                 "signal, os._exit or the out-of-memory killer); a new process took its place\n"
@@ -236,7 +258,8 @@ class CallProcesses:
         if message == "ready":
             worker.ready = True
         elif isinstance(message, str):
-            raise UserCodeError(f"{self.kind.flag} {self.spec}: loading it in a {self.kind.name} process failed:\n{message}")
+            code = self.kind.describe(self.spec)
+            raise UserCodeError(f"{code}: loading it in a {self.kind.name} process failed:\n{message}")
         else:
             for i, outcome in zip(worker.sent, message):
                 outcomes[i] = outcome

@@ -14,21 +14,21 @@ import time
 class RolloutSupply:
     """The run's prompts (`train_loader`, its position kept for a resumed run) and what generates from them.
 
-    `env_cls`: with --env, the environment's class, whose steps run in `reward_workers` isolated processes (0: in this
-    process), as the rewards do.
+    `environments`: with --env or --tools, the episodes' Environments (common/envs.py), whose calls run in
+    `reward_workers` isolated processes (0: in this process), as the rewards do.
     """
 
-    def __init__(self, args, tokenizer, eos_token_ids: list[int], train_loader, env_cls, reward_workers: int):
+    def __init__(self, args, tokenizer, eos_token_ids: list[int], train_loader, environments, reward_workers: int):
         from common.envs import ENV_CALLS
         from common.isolation import CallProcesses, InProcessCalls
 
-        self.args, self.tokenizer, self.eos_token_ids, self.env_cls = args, tokenizer, eos_token_ids, env_cls
+        self.args, self.tokenizer, self.eos_token_ids, self.environments = args, tokenizer, eos_token_ids, environments
         self.train_loader, self.train_batches = train_loader, train_loader.forever()
         self.env_calls = None
-        if args.env and reward_workers:
-            self.env_calls = CallProcesses(args.env, reward_workers, ENV_CALLS, args.reward_timeout)
-        elif args.env:
-            self.env_calls = InProcessCalls(env_cls, args.env, ENV_CALLS, args.reward_timeout)
+        if environments is not None and reward_workers:
+            self.env_calls = CallProcesses(environments.spec, reward_workers, ENV_CALLS, args.reward_timeout)
+        elif environments is not None:
+            self.env_calls = InProcessCalls(environments, environments.spec, ENV_CALLS, args.reward_timeout)
         # the policy's group, the engines apart (--rollout-workers), and the policy's version: its updates so far, set
         # by the run when a step's update is done (Run.end_step) or restored from a checkpoint (restore)
         self.policy, self.engines, self.version = None, None, 0
@@ -37,6 +37,7 @@ class RolloutSupply:
         """The policy's own rollout engine: the one that generates (the hybrid engine), or none with --rollout-workers."""
         args = self.args
         return self._engine_settings() | dict(
+            chat_template=self.tokenizer.chat_template,  # what the exported model's tokenizer keeps
             rollout_engine=None if args.rollout_workers else args.rollout_engine,
             lora_sync=args.lora_sync,
             offload=args.offload,
@@ -103,7 +104,7 @@ class RolloutSupply:
         import torch
 
         args = self.args
-        if self.engines is None or args.env:
+        if self.engines is None or self.environments is not None:
             batch = self.next_prompts().repeat(n, interleave=True)
             batch |= self.generate(batch)
             if self.engines is not None:
@@ -134,13 +135,12 @@ class RolloutSupply:
 
         args, engines, prompts = self.args, self._engines(), batch.select("prompts", "prompt_mask")
         sampling = dict(do_sample=do_sample, top_p=args.top_p, top_k=args.top_k)
-        if args.env:
-            stop_strings = list(getattr(self.env_cls, "stop_strings", []))
+        if self.environments is not None:
             generated = run_episodes(
                 engines,
                 batch,
                 self.env_calls,
-                stop_strings,
+                self.environments,
                 self.tokenizer,
                 self.eos_token_ids,
                 args.max_turns,

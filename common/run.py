@@ -41,7 +41,7 @@ class Run:
         from common.checkpoint import check_config, find_checkpoint
         from common.console import start_console
         from common.data import PromptLoader, load_prompts
-        from common.envs import load_env
+        from common.envs import episode_spec, load_environments
         from common.pretrained import resolve as resolve_model
         from common.rollout import eos_token_ids
         from common.rollout_supply import RolloutSupply
@@ -58,15 +58,16 @@ class Run:
         args.model_path = resolve_model(args.model_path)
         if args.sequence_parallel > 1:
             check_heads(args.model_path, args.sequence_parallel)
-        self.tokenizer = load_tokenizer(args.model_path)
+        self.tokenizer = load_tokenizer(args.model_path, chat_template=args.chat_template)
         self.scorer = Scorer(args, self.tokenizer)
         self.eos_token_ids = eos_token_ids(args.model_path, self.tokenizer)
         pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        env_cls = load_env(args.env) if args.env else None
-        train_data = load_prompts(args.train_files, self.tokenizer, args.max_prompt_length, args.truncate_prompts)
+        environments = load_environments(episode_spec(args.env, args.tools)) if args.env or args.tools else None
+        envs = environments and environments.check(self.tokenizer, self.eos_token_ids)  # each one's tools, by name
+        train_data = load_prompts(args.train_files, self.tokenizer, args.max_prompt_length, args.truncate_prompts, envs)
         val_data = train_data
         if args.val_files:
-            val_data = load_prompts(args.val_files, self.tokenizer, args.max_prompt_length, args.truncate_prompts)
+            val_data = load_prompts(args.val_files, self.tokenizer, args.max_prompt_length, args.truncate_prompts, envs)
         self.scorer.check_prompts(train_data, val_data)
         self.val_name = "held-out accuracy" if args.val_files else "accuracy on the training prompts (no --val-files)"
         batch_size = prompts_per_batch or args.train_batch_size
@@ -97,7 +98,7 @@ class Run:
         colocated = self.scorer.by_model and not args.reward_model_workers  # the scoring model beside the policy
         self.pool = None if args.in_process else self._start_pool(max_colocated=worker_groups + colocated)
         self.scorer.start(self.pool, reward_workers)
-        self.rollouts = RolloutSupply(args, self.tokenizer, self.eos_token_ids, train_loader, env_cls, reward_workers)
+        self.rollouts = RolloutSupply(args, self.tokenizer, self.eos_token_ids, train_loader, environments, reward_workers)
         self.groups = {}
         self.start_step, self.first_val, self.last_val, self.bad_steps = 1, None, None, 0
         self.resumed, self.stop, self.step_start, self.postfix, self.last_step = False, None, 0.0, {}, 0

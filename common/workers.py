@@ -88,10 +88,11 @@ class PolicyWorker(FSDPWorker, EngineWorker):
         lora_sync: str = "auto",
         offload: bool = False,
         log_prob_chunk_tokens: int = 0,
+        chat_template: str | None = None,
         **settings,
     ) -> None:
         """The policy (see FSDPWorker.setup), its rollout engine (common/rollout.py; none: `rollout_engine` None), and
-        the reference.
+        the reference. `chat_template`: the run's (--chat-template), which the exported model's tokenizer keeps.
 
         Log-probs are those of the logits divided by `temperature`, the distribution rollouts sample from, computed
         over the vocabulary `log_prob_chunk_tokens` response tokens at a time (see chunked_log_probs; 0: all at once).
@@ -104,6 +105,7 @@ class PolicyWorker(FSDPWorker, EngineWorker):
         if self.rank == 0 and self.log_prob_chunk_tokens is None:
             print(f"{type(self).__name__}: log-probs from whole logits (this model changes its output layer's output)")
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer.chat_template = chat_template or self.tokenizer.chat_template
         # The reference: with LoRA it is this same model with the adapter off.
         self.reference = None
         if use_reference and not self.lora:

@@ -28,7 +28,7 @@ from ray import cloudpickle
 from common.attention import register as register_flex
 from common.attention import register_varlen
 from common.dataproto import DataProto
-from common.envs import run_episodes
+from common.envs import Environments, run_episodes
 from common.layouts import response_log_probs, response_outputs, rows_of
 from common.memory import measured
 from common.workers import CriticWorker, PolicyWorker
@@ -336,12 +336,11 @@ def local_model(path):
 SAMPLING = dict(do_sample=True, top_p=1.0, top_k=0)
 
 
-def play(policy, prompts, env_calls, env_cls, tokenizer, eos, max_turns=3, max_response_length=12, n=4):
+def play(policy, prompts, env_calls, envs, tokenizer, eos, max_turns=3, max_response_length=12, n=4):
+    """`n` episodes of each prompt; `envs`: Environments, or one environment class."""
     batch = prompts.repeat(n, interleave=True)
-    stop_strings = list(getattr(env_cls, "stop_strings", []))
-    return batch | run_episodes(
-        policy, batch, env_calls, stop_strings, tokenizer, eos, max_turns, max_response_length, SAMPLING
-    )
+    envs = envs if isinstance(envs, Environments) else Environments.of(envs)
+    return batch | run_episodes(policy, batch, env_calls, envs, tokenizer, eos, max_turns, max_response_length, SAMPLING)
 
 
 def turns_of(mask: torch.Tensor) -> list[tuple[int, int]]:

@@ -12,7 +12,7 @@ from ray import cloudpickle
 
 from common.data import collate
 from common.dataproto import DataProto
-from common.envs import ENV_CALLS, AnswerFraming, Calculator, call_env, load_env, stop_end
+from common.envs import ENV_CALLS, AnswerFraming, Calculator, Environments, call_env, episode_spec, load_env, stop_end
 from common.isolation import REPORTED_FAILURES, CallProcesses, InProcessCalls
 from common.worker_group import WorkerGroup
 from helpers import LOG_PROB_INPUTS, PolicyProbe, play, turns_of
@@ -45,6 +45,10 @@ class Judge:
 
     def step(self, text):
         return len(text)
+
+
+class Empty:
+    """Neither step(text) nor tools."""
 
 
 class Unpicklable:
@@ -102,7 +106,7 @@ def turn_by_turn_log_probs(policy, batch, tokenizer) -> list[torch.Tensor]:
 
 
 def test_the_models_tokens_score_alike_in_one_pass_and_turn_by_turn(policy, prompts, tokenizer, eos, env_file):
-    env_calls = CallProcesses(f"{env_file}:Chatty", 2, ENV_CALLS, timeout=30)
+    env_calls = CallProcesses(episode_spec(f"{env_file}:Chatty", None), 2, ENV_CALLS, timeout=30)
     try:
         batch = play(policy, prompts[[1, 2, 3]], env_calls, load_env(f"{env_file}:Chatty"), tokenizer, eos)
     finally:
@@ -133,7 +137,7 @@ def test_the_models_tokens_score_alike_in_one_pass_and_turn_by_turn(policy, prom
 
 
 def test_the_token_limit_and_the_turn_limit_end_episodes(policy, prompts, tokenizer, eos, env_file):
-    env_calls = InProcessCalls(load_env(f"{env_file}:Chatty"), f"{env_file}:Chatty", ENV_CALLS, timeout=30)
+    env_calls = InProcessCalls(Environments.of(load_env(f"{env_file}:Chatty")), "Chatty", ENV_CALLS, timeout=30)
     short = play(policy, prompts[[1, 3]], env_calls, load_env(f"{env_file}:Chatty"), tokenizer, eos, 5, 5, n=8)
     assert (short["attention_mask"][:, -5:].sum(-1) <= 5).all()
     assert set(short["ending"]) == {"token_limit"}
@@ -147,7 +151,7 @@ def test_a_tool_that_raises_or_hangs_ends_its_episode_alone(policy, prompts, tok
     broken = [i for i, extra in enumerate(prompts["extra_info"]) if extra["a"] in (2, 4)]
     assert len(broken) == 2, "the demo's first prompts hold a = 2 and a = 4"
     REPORTED_FAILURES.clear()  # what earlier tests in this process printed
-    env_calls = CallProcesses(f"{env_file}:Chatty", 2, ENV_CALLS, timeout=2)
+    env_calls = CallProcesses(episode_spec(f"{env_file}:Chatty", None), 2, ENV_CALLS, timeout=2)
     try:
         batch = play(policy, prompts[rows + broken], env_calls, load_env(f"{env_file}:Chatty"), tokenizer, eos, n=2)
     finally:
@@ -162,14 +166,15 @@ def test_a_tool_that_raises_or_hangs_ends_its_episode_alone(policy, prompts, tok
 
 
 def test_an_environments_score_ends_the_episode(policy, prompts, tokenizer, eos, env_file):
-    env_calls = InProcessCalls(load_env(f"{env_file}:Judge"), f"{env_file}:Judge", ENV_CALLS)
+    env_calls = InProcessCalls(Environments.of(load_env(f"{env_file}:Judge")), "Judge", ENV_CALLS)
     batch = play(policy, prompts[[0, 1]], env_calls, load_env(f"{env_file}:Judge"), tokenizer, eos)
     assert set(batch["ending"]) == {"by_env"} and set(batch["turns"]) == {1}
     assert batch["episode_score"].tolist() == [float(len(text)) for text in batch["final_turn"]]
 
 
 def test_an_environment_that_cannot_travel_between_turns_fails_clearly(env_file):
-    outcome = call_env(load_env(f"{env_file}:Unpicklable"), None, ("addition", "3", {}), "1")
+    environments = Environments.of(load_env(f"{env_file}:Unpicklable"))
+    outcome = call_env(environments, "Unpicklable", None, ("addition", "3", {}), ("text", "1"))
     assert outcome[0] == "error" and "TextIOWrapper" in outcome[2]
 
 
@@ -187,6 +192,7 @@ def test_bad_env_specs(env_file):
     for spec, message in [
         ("nowhere.py:Env", "no file"),
         (f"{env_file}:Missing", "defines no class"),
+        (f"{env_file}:Empty", "neither a step"),
         ("calculatr", "name a built-in"),
     ]:
         with pytest.raises(ValueError, match=message):

@@ -15,7 +15,7 @@ import torch
 from ray import cloudpickle
 
 import grpo_hybrid
-from common.envs import ENV_CALLS
+from common.envs import ENV_CALLS, Environments
 from common.isolation import InProcessCalls
 from common.memory import machine_memory_bytes
 from common.rollout import MAX_NUM_SEQS, kv_cache_bytes
@@ -118,7 +118,7 @@ class Countdown:
 
 
 def test_engine_plays_multi_turn_episodes(policy, prompts, tokenizer):
-    env_calls = InProcessCalls(Countdown, "test_vllm.py:Countdown", ENV_CALLS)
+    env_calls = InProcessCalls(Environments.of(Countdown), "--env test_vllm.py:Countdown", ENV_CALLS)
     batch = play(
         policy, prompts, env_calls, Countdown, tokenizer, [tokenizer.eos_token_id], max_turns=4, max_response_length=10
     )
