@@ -81,6 +81,8 @@ def load_transcripts(
             where = f"{path}, row {index}"
             ids, mask = assistant_tokens(list(row["messages"]), row.get("tools") or None, tokenizer, eos_token_ids, where)
             start = mask.index(1)
+            if start == 0:
+                raise DataError(f"{where}: the template renders nothing before the assistant's first token; add a user turn")
             if start > max_prompt_length or len(ids) - start > max_response_length:
                 raise DataError(
                     f"{where}: {start} tokens before the assistant's first and {len(ids) - start} from it on, more than "
