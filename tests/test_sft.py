@@ -134,3 +134,41 @@ def test_sft_learns_and_its_export_starts_grpo(ray_cluster, tiny_model, demo_fil
     )  # fmt: skip
     assert grpo.returncode == 0, grpo.stderr[-3000:]
     assert metrics_of(tmp_path / "grpo")[1][-1]["step"] == 1
+
+
+def test_the_multiplication_tools_files(qwen_style, tmp_path):
+    import pyarrow.parquet as pq
+    from transformers.utils import get_json_schema
+
+    from common import demo
+
+    demo.build_multiply_tool(tmp_path, demo.DEMO_SEED)
+    problems = {}
+    for name, size in demo.MULTIPLY_TOOL_SIZES.items():
+        if name.startswith("sft"):
+            rows = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+            problems[name] = {tuple(row["messages"][1]["tool_calls"][0]["function"]["arguments"].values()) for row in rows}
+        else:
+            rows = pq.read_table(tmp_path / f"{name}.parquet").to_pylist()
+            factors = [(row["extra_info"]["a"], row["extra_info"]["b"]) for row in rows]
+            assert [row["reward_model"]["ground_truth"] for row in rows] == [str(a * b) for a, b in factors]
+            problems[name] = set(factors)
+        assert len(rows) == len(problems[name]) == size
+        assert all(100 <= a <= 999 and 10 <= b <= 99 for a, b in problems[name])
+    names = list(problems)
+    assert all(not problems[x] & problems[y] for i, x in enumerate(names) for y in names[i + 1 :])  # held out
+
+    # The structured transcripts: the assistant learns its call and the product, never the question or the result.
+    eos = [qwen_style.eos_token_id]
+    data = load_transcripts([str(tmp_path / "sft_val.jsonl")], qwen_style, eos, 128, 128)
+    first = [token for token, learnt in zip(data["response_ids"][0], data["loss_mask"][0]) if learnt]
+    call = json.loads((tmp_path / "sft_val.jsonl").read_text().splitlines()[0])["messages"][1]["tool_calls"][0]
+    a, b = call["function"]["arguments"].values()
+    expected = f'<c>multiply{{"a": {a}, "b": {b}}}</c><eos>{a * b}<eos>'
+    assert first == qwen_style(expected, add_special_tokens=False)["input_ids"]
+    # Framed in text for a template that drops tools: the call as Qwen2.5 writes it, the result in a user turn.
+    framed = json.loads((tmp_path / "sft_val_framed.jsonl").read_text().splitlines()[0])["messages"]
+    assert [m["role"] for m in framed] == ["system", "user", "assistant", "user", "assistant"]
+    assert "<tools>\n" + json.dumps(get_json_schema(demo.multiply)) + "\n</tools>" in framed[0]["content"]
+    assert framed[2]["content"] == f'<tool_call>\n{{"name": "multiply", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
+    assert framed[3]["content"] == f"<tool_response>\n{a * b}\n</tool_response>" and framed[4]["content"] == str(a * b)
