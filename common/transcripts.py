@@ -57,7 +57,7 @@ def assistant_tokens(messages: list[dict], tools: list[dict] | None, tokenizer, 
             raise DataError(
                 f"{where}: the chat template renders the conversation up to assistant message {i} otherwise once later "
                 "messages follow, so its tokens cannot be told apart from the rest (the prefix property); use a "
-                "template that renders earlier turns the same whatever follows (--chat-template), or split the row"
+                "template that renders earlier turns the same whatever follows them (a model folder whose tokenizer has one)"
             )
         turn = through[len(before) :]
         ends = [j for j, token in enumerate(turn) if token in eos_token_ids]
