@@ -5,9 +5,10 @@ answer; a brief supervised warm start on some of the problems gives RL
 something to improve. RL then trains on every problem and is judged on the
 ones the warm start never saw. The tasks: single-digit addition, and with
 `--env calculator` two-digit multiplication, which the tiny model cannot do
-alone but can with the calculator tool (common/envs.py). Everything is cached
-on disk under $HYBRIDRL_CACHE (default ~/.cache/hybridrl), so a second run
-starts at once.
+alone but can with the calculator tool (common/envs.py). A real model's tasks
+have files only: the times tables, and the multiplication tool's transcripts
+and prompts (sft_hybrid.py's demo, then RL). Everything is cached on disk under
+$HYBRIDRL_CACHE (default ~/.cache/hybridrl), so a second run starts at once.
 
 The addition warm start also teaches the model what it does not know: on the
 held-out prompts it learns to spread its guesses evenly over the 19 answers (0
