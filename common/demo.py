@@ -424,10 +424,10 @@ WARM_START_DEFAULTS = dict(
     train_batch_size=16,
     mini_batch_size=16,
     micro_batch_size=16,
-    total_steps=60,
+    total_steps=20,
     max_prompt_length=320,
     max_response_length=96,
-    test_freq=20,
+    test_freq=10,
     val_batch_size=100,
 )
 
