@@ -202,10 +202,14 @@ class PromptLoader:
         while self.batch_index < len(self):
             index = order[self.batch_index * self.batch_size : (self.batch_index + 1) * self.batch_size]
             self.batch_index += 1
-            batch = collate(self.dataset[index], self.pad_token_id)
+            batch = self.collate(self.dataset[index])
             batch["uid"] = [f"{self.epoch}-{i}" for i in index]
             yield batch
         self.epoch, self.batch_index = self.epoch + 1, 0
+
+    def collate(self, rows: DataProto) -> DataProto:
+        """A batch of `rows` as the run reads it: their prompts left-padded (collate)."""
+        return collate(rows, self.pad_token_id)
 
     def forever(self):
         while True:

@@ -5,9 +5,10 @@ answer; a brief supervised warm start on some of the problems gives RL
 something to improve. RL then trains on every problem and is judged on the
 ones the warm start never saw. The tasks: single-digit addition, and with
 `--env calculator` two-digit multiplication, which the tiny model cannot do
-alone but can with the calculator tool (common/envs.py). Everything is cached
-on disk under $HYBRIDRL_CACHE (default ~/.cache/hybridrl), so a second run
-starts at once.
+alone but can with the calculator tool (common/envs.py). A real model's tasks
+have files only: the times tables, and the multiplication tool's transcripts
+and prompts (sft_hybrid.py's demo, then RL). Everything is cached on disk under
+$HYBRIDRL_CACHE (default ~/.cache/hybridrl), so a second run starts at once.
 
 The addition warm start also teaches the model what it does not know: on the
 held-out prompts it learns to spread its guesses evenly over the 19 answers (0
@@ -40,6 +41,15 @@ WARM_START_LR = 3e-3
 CALCULATOR_WARM_PROBLEMS = 200
 CALCULATOR_WARM_START_STEPS = 50
 TIMES_TABLES_CACHE_VERSION = "times-tables-v1"
+MULTIPLY_TOOL_CACHE_VERSION = "multiply-tool-v1"
+# Transcripts for the warm start (and its held-out loss), prompts for RL and its held-out accuracy: disjoint problems.
+MULTIPLY_TOOL_SIZES = {"sft_train": 2000, "sft_val": 100, "train": 1000, "val": 200}
+MULTIPLY_QUESTIONS = (
+    "What is {a} * {b}?",
+    "Compute {a} times {b}.",
+    "What is the product of {a} and {b}?",
+    "Multiply {a} by {b}.",
+)
 
 
 def addition_problems() -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -99,6 +109,66 @@ def times_tables_problems() -> tuple[list[tuple[int, int]], list[tuple[int, int]
     problems = [(a, b) for a in range(2, 20) for b in range(2, 10)]
     random.Random(DEMO_SEED).shuffle(problems)
     return problems[:72], problems[72:]
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+
+    Returns:
+        The product of a and b.
+    """
+    return a * b
+
+
+def multiply_tool_problems() -> dict[str, list[tuple[int, int]]]:
+    """Products of a 3-digit by a 2-digit number, too large for SmolLM2-135M to compute in its head, drawn without
+    repeats into MULTIPLY_TOOL_SIZES' parts."""
+    problems = random.Random(DEMO_SEED).sample([(a, b) for a in range(100, 1000) for b in range(10, 100)], 3300)
+    parts, start = {}, 0
+    for name, size in MULTIPLY_TOOL_SIZES.items():
+        parts[name], start = problems[start : start + size], start + size
+    return parts
+
+
+def multiply_tool_transcript(a: int, b: int, question: str) -> list[dict]:
+    """The user asks, the assistant calls the tool (OpenAI's and transformers' `tool_calls`), the tool answers, the
+    assistant gives the number."""
+    call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": a, "b": b}}}
+    return [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": "multiply", "content": str(a * b)},
+        {"role": "assistant", "content": str(a * b)},
+    ]
+
+
+def framed_in_text(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """`messages` as a chat template that drops tools (SmolLM2's plain ChatML) still shows them, in Qwen2.5's words:
+    the tools' schemas in a system message, each call as `<tool_call>` JSON in the assistant's text, each result as a
+    user's `<tool_response>`. Rendered with ChatML these are the tokens Qwen2.5's template gives the conversation."""
+    import json
+
+    schemas = "\n".join(json.dumps(tool) for tool in tools)
+    system = (
+        "You are a helpful AI assistant named SmolLM, trained by Hugging Face\n\n# Tools\n\nYou may call one or more "
+        "functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> "
+        f"XML tags:\n<tools>\n{schemas}\n</tools>\n\nFor each function call, return a json object with function name and "
+        "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
+    framed = [{"role": "system", "content": system}]
+    for message in messages:
+        calls = [call["function"] for call in message.get("tool_calls") or []]
+        text = "\n".join(f"<tool_call>\n{json.dumps(call)}\n</tool_call>" for call in calls)
+        if message["role"] == "tool":
+            framed.append({"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"})
+        else:
+            framed.append({"role": message["role"], "content": "\n".join(filter(None, [message["content"], text]))})
+    return framed
 
 
 def calculator_transcript(a: int, b: int) -> list[tuple[str, bool]]:
@@ -215,9 +285,42 @@ def build_times_tables(folder: Path, model_seed: int) -> None:
     write_task(folder / "val.parquet", held_out, "*", data_source="times_tables")
 
 
+def build_multiply_tool(folder: Path, model_seed: int) -> None:
+    """The multiplication tool's files, for any model (`model_seed` has no use here): transcripts for the warm start
+    (sft_train.jsonl, sft_val.jsonl: `messages` with `tool_calls`, and `tools`) and prompts for RL (train.parquet,
+    val.parquet: data source multiply_tool, the product as ground truth); each also `_framed` (framed_in_text) for a
+    chat template that drops tools."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers.utils import get_json_schema
+
+    tools = [get_json_schema(multiply)]
+    for name, problems in multiply_tool_problems().items():
+        questions = [MULTIPLY_QUESTIONS[i % len(MULTIPLY_QUESTIONS)].format(a=a, b=b) for i, (a, b) in enumerate(problems)]
+        transcripts = [multiply_tool_transcript(a, b, question) for (a, b), question in zip(problems, questions)]
+        for suffix, frame in (("", False), ("_framed", True)):
+            shown = [framed_in_text(messages, tools) if frame else messages for messages in transcripts]
+            if name.startswith("sft"):
+                rows = [{"messages": messages} | ({} if frame else {"tools": tools}) for messages in shown]
+                (folder / f"{name}{suffix}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+                continue
+            rows = [
+                {
+                    "prompt": messages[: 2 if frame else 1],  # the system message of the framing, the user's question
+                    "data_source": "multiply_tool",
+                    "reward_model": {"ground_truth": str(a * b)},
+                    "extra_info": {"a": a, "b": b},
+                }
+                for messages, (a, b) in zip(shown, problems)
+            ]
+            pq.write_table(pa.Table.from_pylist(rows), folder / f"{name}{suffix}.parquet")
+
+
 def prepare(task: str = "addition", model_seed: int = DEMO_SEED) -> tuple[str, str, str]:
-    """Build (or reuse) the files of `task` ("addition", "calculator" or "times_tables") and, but for the times
-    tables (a real model's task), the warm-started tiny model: (model, train file, val file).
+    """Build (or reuse) the files of `task` ("addition", "calculator", "times_tables" or "multiply_tool") and, but
+    for the real model's tasks, the warm-started tiny model: (model, train file, val file).
 
     `model_seed` draws another random initialisation of the tiny model, hence another warm-started model, as another
     CPU's floats would: benchmarks/demo_spread.py builds such starts, each in a cache folder of its own
@@ -225,8 +328,18 @@ def prepare(task: str = "addition", model_seed: int = DEMO_SEED) -> tuple[str, s
     from common.pretrained import cache_root
 
     root = cache_root()
-    version = {"addition": CACHE_VERSION, "calculator": CALCULATOR_CACHE_VERSION, "times_tables": TIMES_TABLES_CACHE_VERSION}
-    build = {"addition": build_addition, "calculator": build_calculator, "times_tables": build_times_tables}
+    version = {
+        "addition": CACHE_VERSION,
+        "calculator": CALCULATOR_CACHE_VERSION,
+        "times_tables": TIMES_TABLES_CACHE_VERSION,
+        "multiply_tool": MULTIPLY_TOOL_CACHE_VERSION,
+    }
+    build = {
+        "addition": build_addition,
+        "calculator": build_calculator,
+        "times_tables": build_times_tables,
+        "multiply_tool": build_multiply_tool,
+    }
     ready = root / version[task]
     if not (ready / "val.parquet").exists():
         root.mkdir(parents=True, exist_ok=True)
@@ -300,3 +413,41 @@ def apply(args_cls, args, **settings):
         settings |= dict(total_steps=100)  # it learns the tool within 25 steps
     demo_defaults = args_cls(model_path=model_path, train_files=[train_file], val_files=[val_file], **(task | settings))
     return tyro.cli(args_cls, default=demo_defaults)
+
+
+# sft_hybrid.py's demo on the real model: the multiplication tool's transcripts framed in text, since SmolLM2's chat
+# template drops tools; LoRA, as the times tables train it. A framed prompt is about 250 tokens, the rest about 70.
+WARM_START_DEFAULTS = dict(
+    lora_rank=16,
+    lora_alpha=32,
+    lr=5e-4,
+    train_batch_size=16,
+    mini_batch_size=16,
+    micro_batch_size=16,
+    total_steps=20,
+    max_prompt_length=320,
+    max_response_length=96,
+    test_freq=10,
+    val_batch_size=100,
+)
+
+
+def apply_warm_start(args_cls, args):
+    """sft_hybrid.py's arguments, with its built-in demo where asked for: with a packaged real model (`--model-path
+    smollm2`) and no --train-files, the multiplication tool's framed transcripts (build_multiply_tool) and
+    WARM_START_DEFAULTS; flags the user wrote still win. Any other run needs --model-path and --train-files."""
+    import tyro
+
+    from common.pretrained import MODELS
+
+    if args.model_path is None or (args.model_path not in MODELS and not args.train_files):
+        raise ValueError(
+            "the warm start needs --model-path and --train-files (chat transcripts, docs/warm-start.md); its built-in "
+            "demo is a real model's: --model-path smollm2 without --train-files"
+        )
+    if args.train_files:
+        return args
+    folder = Path(prepare("multiply_tool")[1]).parent
+    files = dict(train_files=[str(folder / "sft_train_framed.jsonl")], val_files=[str(folder / "sft_val_framed.jsonl")])
+    print(f"built-in demo: {args.model_path} learns to call multiply(a, b) from {folder}; demo defaults {WARM_START_DEFAULTS}")
+    return tyro.cli(args_cls, default=args_cls(model_path=args.model_path, **files, **WARM_START_DEFAULTS))

@@ -69,6 +69,7 @@ BUILTIN_REWARDS = {
     "addition": exact_answer_reward,
     "multiplication": exact_answer_reward,
     "times_tables": last_number_reward,
+    "multiply_tool": last_number_reward,  # the multiplication tool's task (common/demo.py), the answer after the call
     "gsm8k": gsm8k_reward,
     "openai/gsm8k": gsm8k_reward,
     "math": math_reward,

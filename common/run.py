@@ -33,9 +33,18 @@ class Run:
 
     `worker_groups`: how many groups share each accelerator (PPO's policy and critic: 2).
     `prompts_per_batch`: prompts per `next_prompts()`; default --train-batch-size.
+    `supervised`: the files hold chat transcripts to learn from (common/transcripts.py, algos/sft_hybrid.py), not
+    prompts: no rewards and no rollout engine, batches from `next_transcripts()`, and validation is the loss on them.
     """
 
-    def __init__(self, algo: str, args: RunArgs, worker_groups: int = 1, prompts_per_batch: int | None = None):
+    def __init__(
+        self,
+        algo: str,
+        args: RunArgs,
+        worker_groups: int = 1,
+        prompts_per_batch: int | None = None,
+        supervised: bool = False,
+    ):
         import torch
 
         from common.checkpoint import check_config, find_checkpoint
@@ -48,6 +57,7 @@ class Run:
         from common.scoring import Scorer
         from common.sequence_parallel import check_heads
         from common.tracking import Tracker
+        from common.transcripts import TranscriptLoader, load_transcripts
 
         # Everything that can be wrong with the input fails here, before any worker starts.
         self.algo, self.args = algo, args
@@ -59,17 +69,27 @@ class Run:
         if args.sequence_parallel > 1:
             check_heads(args.model_path, args.sequence_parallel)
         self.tokenizer = load_tokenizer(args.model_path, chat_template=args.chat_template)
-        self.scorer = Scorer(args, self.tokenizer)
         self.eos_token_ids = eos_token_ids(args.model_path, self.tokenizer)
         pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        environments = load_environments(episode_spec(args.env, args.tools)) if args.env or args.tools else None
-        envs = environments and environments.check(self.tokenizer, self.eos_token_ids)  # each one's tools, by name
-        train_data = load_prompts(args.train_files, self.tokenizer, args.max_prompt_length, args.truncate_prompts, envs)
-        val_data = train_data
-        if args.val_files:
-            val_data = load_prompts(args.val_files, self.tokenizer, args.max_prompt_length, args.truncate_prompts, envs)
-        self.scorer.check_prompts(train_data, val_data)
-        self.val_name = "held-out accuracy" if args.val_files else "accuracy on the training prompts (no --val-files)"
+        self.supervised, loader = supervised, TranscriptLoader if supervised else PromptLoader
+        environments = None
+        if supervised:
+            self.scorer, lengths = None, (args.max_prompt_length, args.max_response_length)
+            train_data = load_transcripts(args.train_files, self.tokenizer, self.eos_token_ids, *lengths)
+            val_data = train_data
+            if args.val_files:
+                val_data = load_transcripts(args.val_files, self.tokenizer, self.eos_token_ids, *lengths)
+            self.val_name = "held-out loss" if args.val_files else "loss on the training transcripts (no --val-files)"
+        else:
+            self.scorer = Scorer(args, self.tokenizer)
+            environments = load_environments(episode_spec(args.env, args.tools)) if args.env or args.tools else None
+            envs = environments and environments.check(self.tokenizer, self.eos_token_ids)  # each one's tools, by name
+            train_data = load_prompts(args.train_files, self.tokenizer, args.max_prompt_length, args.truncate_prompts, envs)
+            val_data = train_data
+            if args.val_files:
+                val_data = load_prompts(args.val_files, self.tokenizer, args.max_prompt_length, args.truncate_prompts, envs)
+            self.scorer.check_prompts(train_data, val_data)
+            self.val_name = "held-out accuracy" if args.val_files else "accuracy on the training prompts (no --val-files)"
         batch_size = prompts_per_batch or args.train_batch_size
         if batch_size > len(train_data):
             flag = "--train-batch-size" if prompts_per_batch is None else "the prompts drawn per round (--gen-batch-size)"
@@ -77,8 +97,8 @@ class Run:
                 f"{flag} is {batch_size} prompts, more than the {len(train_data)} in --train-files "
                 f"{' '.join(args.train_files)}: lower it, or add prompts"
             )
-        train_loader = PromptLoader(train_data, batch_size, pad_token_id, shuffle=True, seed=args.seed)
-        self.val_loader = PromptLoader(val_data, args.val_batch_size, pad_token_id, shuffle=False, drop_last=False)
+        self.train_loader = loader(train_data, batch_size, pad_token_id, shuffle=True, seed=args.seed)
+        self.val_loader = loader(val_data, args.val_batch_size, pad_token_id, shuffle=False, drop_last=False)
         self.resume_from = find_checkpoint(args.resume, "runs", self.run_prefix)
         if self.resume_from is not None:
             check_config(self.resume_from, args, args.force_resume)
@@ -95,10 +115,14 @@ class Run:
         if reward_workers is None:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # not on macOS
             reward_workers = 0 if args.in_process else min(cores, 16)
-        colocated = self.scorer.by_model and not args.reward_model_workers  # the scoring model beside the policy
+        colocated = not supervised and self.scorer.by_model and not args.reward_model_workers  # a scorer beside the policy
         self.pool = None if args.in_process else self._start_pool(max_colocated=worker_groups + colocated)
-        self.scorer.start(self.pool, reward_workers)
-        self.rollouts = RolloutSupply(args, self.tokenizer, self.eos_token_ids, train_loader, environments, reward_workers)
+        self.rollouts = None
+        if supervised:
+            self.train_batches = self.train_loader.forever()
+        else:
+            self.scorer.start(self.pool, reward_workers)
+            self.rollouts = RolloutSupply(args, self.tokenizer, self.eos_token_ids, self.train_loader, environments, reward_workers)
         self.groups = {}
         self.start_step, self.first_val, self.last_val, self.bad_steps = 1, None, None, 0
         self.resumed, self.stop, self.step_start, self.postfix, self.last_step = False, None, 0.0, {}, 0
@@ -162,10 +186,19 @@ class Run:
         scores the reference."""
         from common.workers import PolicyWorker
 
-        rollout = self.rollouts.policy_settings() | dict(log_prob_chunk_tokens=self.args.log_prob_chunk_tokens)
+        if self.supervised:  # no engine; the log-probs of the data at temperature 1
+            rollout = dict(rollout_engine=None, temperature=1.0, use_reference=False)
+        else:
+            rollout = self.rollouts.policy_settings()
+        rollout |= dict(log_prob_chunk_tokens=self.args.log_prob_chunk_tokens)
         policy = self.workers(PolicyWorker, "policy", **(rollout | settings))
-        self.rollouts.start(policy, self.pool, self.val_loader.dataset)
+        if not self.supervised:
+            self.rollouts.start(policy, self.pool, self.val_loader.dataset)
         return policy
+
+    def next_transcripts(self):
+        """A supervised run's next batch of transcripts (common/transcripts.py), reshuffled at every pass over them."""
+        return next(self.train_batches)
 
     def next_rollouts(self, n: int, metrics: dict):
         """The next batch of prompts, `n` samples of each, with each sample's `staleness` (RolloutSupply.next_rollouts)."""
@@ -185,7 +218,11 @@ class Run:
 
     def _validate(self) -> tuple[dict, list[dict]]:
         from common.rewards import validate
+        from common.transcripts import token_mean_loss
 
+        if self.supervised:
+            self.last_val = {"val/loss": token_mean_loss(self.groups["policy"], self.val_loader)}
+            return self.last_val, []
         self.last_val, samples = validate(
             self.generate, self.val_loader, self.tokenizer, self.scorer.score_texts, self.args.val_n
         )
@@ -201,8 +238,12 @@ class Run:
 
         self.resumed = True
         if self.resume_from is not None:
-            saved = load_checkpoint(self.resume_from, self.groups | self.rollouts.groups())
-            self.rollouts.restore(saved["step"], saved)
+            groups = self.groups if self.supervised else self.groups | self.rollouts.groups()
+            saved = load_checkpoint(self.resume_from, groups)
+            if self.supervised:
+                self.train_loader.load_state_dict(saved["loader"])
+            else:
+                self.rollouts.restore(saved["step"], saved)
             self.start_step = saved["step"] + 1
             print(f"resumed from {self.resume_from}")
             return {key: saved[key] for key in driver_state}
@@ -232,6 +273,7 @@ class Run:
 
     def end_step(self, step: int, batch, scores, metrics: dict, **driver_state) -> None:
         """The step's standard metrics, then validation, a checkpoint (with `driver_state`) and the log when due.
+        `scores`: one per response; None for a supervised step, whose progress bar shows its `actor/loss`.
 
         Stops the run after --max-bad-steps steps in a row whose updates a NaN or inf gradient skipped.
         """
@@ -245,8 +287,9 @@ class Run:
         response_lengths = response_mask.sum(-1)
         if "entropy" in batch:  # else the update measured it
             metrics["actor/entropy"] = ((batch["entropy"] * response_mask).sum() / response_mask.sum()).item()
+        if scores is not None:  # None: a supervised step
+            metrics["train/reward_mean"] = scores.mean().item()
         metrics |= {
-            "train/reward_mean": scores.mean().item(),
             "response/length_mean": response_lengths.mean().item(),
             "response/clip_ratio": (response_lengths == args.max_response_length).float().mean().item(),
             "timing/step": step_time,
@@ -255,7 +298,8 @@ class Run:
         if "staleness" in batch:  # updates between the weights that generated the samples and the policy's
             staleness = batch["staleness"].float()
             metrics |= {"rollout/staleness_mean": staleness.mean().item(), "rollout/staleness_max": staleness.max().item()}
-        self.rollouts.version = step  # the step's update: validation and the next generate see it
+        if self.rollouts is not None:
+            self.rollouts.version = step  # the step's update: validation and the next generate see it
         if "ending" in batch:
             metrics |= episode_metrics(batch, "env/")
         # the reward's own keys beside its counts, which keep a name both use
@@ -271,11 +315,16 @@ class Run:
         self._record_peak_memory(metrics)
         if step % args.save_freq == 0 or last:
             with timer("save", metrics):
-                with timer("save_in_flight", metrics):  # the engines finish the work in flight that the checkpoint keeps
-                    driver = self.rollouts.checkpoint_state() | driver_state
-                save_checkpoint(self.tracker.run_dir, step, self.groups | self.rollouts.groups(), driver, args.keep_last)
+                if self.supervised:
+                    groups, driver = self.groups, {"loader": self.train_loader.state_dict()} | driver_state
+                else:
+                    groups = self.groups | self.rollouts.groups()
+                    with timer("save_in_flight", metrics):  # the engines finish the work in flight that the checkpoint keeps
+                        driver = self.rollouts.checkpoint_state() | driver_state
+                save_checkpoint(self.tracker.run_dir, step, groups, driver, args.keep_last)
         self.tracker.log(metrics, step=step)
-        self.postfix = dict(reward=f"{metrics['train/reward_mean']:.3f}", step_s=f"{step_time:.2f}")
+        shown = ("loss", metrics["actor/loss"]) if scores is None else ("reward", metrics["train/reward_mean"])
+        self.postfix = {shown[0]: f"{shown[1]:.3f}", "step_s": f"{step_time:.2f}"}
         self.last_step = step
         skipped = any(value for key, value in metrics.items() if key.endswith("skipped_updates"))
         self.bad_steps = self.bad_steps + 1 if skipped else 0
@@ -292,7 +341,8 @@ class Run:
         batches they are generating."""
         from common.memory import record_peak_memory
 
-        for name, group in (self.groups | self.scorer.groups()).items():
+        scorers = {} if self.scorer is None else self.scorer.groups()
+        for name, group in (self.groups | scorers).items():
             record_peak_memory(metrics, name, group.broadcast("phase_peak_memory"))
         peaks = [value for key, value in metrics.items() if key.startswith("perf/peak_memory_gb/")]
         metrics["perf/peak_memory_gb"] = max(peaks, default=0.0)
@@ -326,10 +376,13 @@ class Run:
 
     def finish(self) -> None:
         """Report, export the policy (unless stopped early), and release the workers."""
+        def shown(val: dict) -> str:
+            return f"{val['val/loss']:.4f}" if self.supervised else f"{val['val/accuracy']:.1%}"
+
         if self.first_val is not None:
-            print(f"{self.val_name}: {self.first_val['val/accuracy']:.1%} before training")
+            print(f"{self.val_name}: {shown(self.first_val)} before training")
         if self.last_val is not None:
-            print(f"{self.val_name}: {self.last_val['val/accuracy']:.1%} at the last validation")
+            print(f"{self.val_name}: {shown(self.last_val)} at the last validation")
         run_dir = self.tracker.run_dir
         print(f"metrics and checkpoints in {run_dir}")
         if self.stop is not None and self.stop.requested:
@@ -338,8 +391,9 @@ class Run:
             self.groups["policy"].broadcast("export", str(run_dir / "model"), adapter_only=self.args.export_adapter_only)
             print(f"the trained policy, as a Hugging Face model folder: {run_dir / 'model'}")
         self.tracker.close()
-        self.scorer.close()
-        self.rollouts.close()
+        if not self.supervised:
+            self.scorer.close()
+            self.rollouts.close()
         for group in self.groups.values():
             group.shutdown()
         if self.pool is not None:

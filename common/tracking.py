@@ -73,7 +73,10 @@ class Tracker:
             self.wandb.log(metrics, step=step)
 
     def log_samples(self, samples: list[dict], step: int, table_rows: int = 20) -> None:
-        """Every validation completion to runs/<run>/validation/step_<N>.jsonl; the first few to a wandb table."""
+        """Every validation completion to runs/<run>/validation/step_<N>.jsonl; the first few to a wandb table. None (a
+        supervised run's validation, a loss): nothing."""
+        if not samples:
+            return
         folder = self.run_dir / "validation"
         folder.mkdir(exist_ok=True)
         with open(folder / f"step_{step}.jsonl", "w") as f:
