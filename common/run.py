@@ -92,8 +92,9 @@ class Run:
         wandb = dict(wandb_project=args.wandb_project_name, wandb_entity=args.wandb_entity) if args.track else {}
         script = sys.argv[0] if sys.argv[0].endswith(".py") else None
         # the code that made the curve, and in wandb the experiment's group with the algorithm as a tag
-        provenance = dict(script=script, group=args.exp_name, tags=(self.algo,), runs_dir=args.runs_dir)
-        self.tracker = Tracker(self.run_prefix, dataclasses.asdict(args), self.resume_from, **wandb, **provenance)
+        provenance = dict(script=script, group=args.exp_name, tags=(self.algo,))
+        config, runs_dir = dataclasses.asdict(args), args.runs_dir
+        self.tracker = Tracker(self.run_prefix, config, self.resume_from, **wandb, runs_dir=runs_dir, **provenance)
         start_console(self.tracker.run_dir)  # the console a person reads; all of it in the run's folder
 
         reward_workers = args.reward_workers

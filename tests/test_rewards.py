@@ -214,12 +214,12 @@ def test_reward_processes_survive_what_a_reward_does(tmp_path, tokenizer, capsys
         texts = ["1", "2", "3", "4", "5", "6"] + ["7"] * 10  # sent two at a time: a killed call's partner goes again
         scores, metrics, extras = score(batch_of(tokenizer, texts, texts), tokenizer, pool)
         assert scores.tolist() == [0.0] * 6 + [1.0] * 10
-        assert metrics == {"reward/errors": 4, "reward/timeouts": 2}
+        assert metrics == {"reward/errors": 4, "reward/timeouts": 2, "reward/unscored": 0}
         printed = capsys.readouterr().err
         assert "died with exit code -11" in printed and "SystemExit: 4" in printed and "pickle" in printed
         assert printed.count("died with exit code") == 1  # the second death, os._exit's, is the same kind
         scores, metrics, extras = score(batch_of(tokenizer, ["7", "8"], ["7", "8"]), tokenizer, pool)
-        assert scores.tolist() == [1.0, 1.0] and metrics == {"reward/errors": 0, "reward/timeouts": 0}
+        assert scores.tolist() == [1.0, 1.0] and metrics == {"reward/errors": 0, "reward/timeouts": 0, "reward/unscored": 0}
         assert all(psutil.pid_exists(extra["pid"]) for extra in extras)
     finally:
         pool.close()

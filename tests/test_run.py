@@ -2,6 +2,7 @@
 (runs to their end and their stops: test_scripts.py, test_long_runs.py, test_faults.py)."""
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -31,7 +32,8 @@ def test_a_dead_worker_is_explained_by_what_it_was_doing():
 def in_tmp_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # a Run sets its own
-    monkeypatch.setattr(sys, "argv", ["algos/grpo_hybrid.py"])  # the script a Run takes the algorithm's name from
+    script = Path(__file__).resolve().parents[1] / "algos" / "grpo_hybrid.py"
+    monkeypatch.setattr(sys, "argv", [str(script)])  # the script a Run takes the algorithm's name from (and copies)
     return tmp_path
 
 
