@@ -48,9 +48,9 @@ def last_number_reward(solution_str: str, ground_truth: str) -> float:
 
 def gsm8k_reward(solution_str: str, ground_truth) -> float:
     """verl's GSM8K score (its gsm8k.py, strict): 1 when the last '#### <number>' in the response's last 300 characters,
-    with ',' and '$' dropped, is the ground truth's text exactly; so '####72' and '#### 72.0' score 0 for 72."""
+    its commas dropped, is the ground truth's text exactly; so '####72', '#### 72.0' and '#### $72' score 0 for 72."""
     answers = re.findall(r"#### (-?[0-9.,]+)", solution_str[-300:])
-    return float(bool(answers) and answers[-1].replace(",", "").replace("$", "") == str(ground_truth))
+    return float(bool(answers) and answers[-1].replace(",", "") == str(ground_truth))
 
 
 def gsm8k_lenient(data_source, solution_str: str, ground_truth, extra_info) -> float:
