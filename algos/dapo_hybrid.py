@@ -213,7 +213,7 @@ if __name__ == "__main__":
             "limit (0 turns the shaping off)"
         )
     prompts_per_round = args.gen_batch_size or 3 * args.train_batch_size
-    run = Run("dapo", args, prompts_per_batch=prompts_per_round if args.filter_groups else None)
+    run = Run(args, prompts_per_batch=prompts_per_round if args.filter_groups else None)
     policy = run.policy(use_reference=args.kl_loss_coef > 0)
     log_prob_inputs = ("input_ids", "attention_mask", "position_ids", "responses")
     old_log_prob_pass = needs_old_log_prob_pass(args)

@@ -159,7 +159,7 @@ if __name__ == "__main__":
             f"--n {args.n}: the advantage compares each response with the others sampled for its prompt, so a group "
             "of one gets its raw score. Sample --n 2 or more, or pass --single-sample-groups to train so anyway"
         )
-    run = Run("gspo", args)
+    run = Run(args)
     policy = run.policy(use_reference=args.kl_loss_coef > 0)
     log_prob_inputs = ("input_ids", "attention_mask", "position_ids", "responses")
     old_log_prob_pass = needs_old_log_prob_pass(args)

@@ -231,7 +231,7 @@ if __name__ == "__main__":
         )
         args = demo.apply(Args, args, **demo_settings)
     # The critic shares each accelerator with the policy: two worker groups per accelerator.
-    run = Run("ppo", args, worker_groups=2)
+    run = Run(args, worker_groups=2)
     policy = run.policy(use_reference=args.kl_coef > 0)
     critic_settings = dict(
         model_path=args.critic_model_path or args.model_path, lr=args.critic_lr, lora_rank=args.critic_lora_rank

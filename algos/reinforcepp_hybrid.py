@@ -192,7 +192,7 @@ if __name__ == "__main__":
         raise ValueError(
             f"--baseline with --n {args.n}: the baseline is the mean over a prompt's samples; sample --n 2 or more"
         )
-    run = Run("reinforcepp", args)
+    run = Run(args)
     policy = run.policy(use_reference=args.kl_coef > 0)
     log_prob_inputs = ("input_ids", "attention_mask", "position_ids", "responses")
     old_log_prob_pass = needs_old_log_prob_pass(args, reward_reads_it=args.kl_coef > 0)

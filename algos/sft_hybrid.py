@@ -54,7 +54,7 @@ if __name__ == "__main__":
     args = demo.apply_warm_start(Args, args)
     if args.n != 1:
         raise ValueError(f"--n {args.n}: a transcript is its own response, learnt once per batch; leave --n at 1")
-    run = Run("sft", args, supervised=True)
+    run = Run(args, supervised=True)
     policy = run.policy()
     update_inputs = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 

@@ -1,8 +1,9 @@
 """Draw runs from their own files: held-out accuracy and training reward, against steps and against wall time.
 
 Each run folder (runs/<run name>, as every script writes it) gives its metrics.jsonl and its config.json. Runs are
-grouped by experiment (--exp-name, the script's name unless set): a line is the mean over the group's runs (its
-seeds), the band around it spans the lowest to the highest. Wall time is the time since the run's first logged row
+grouped by algorithm (the script's name, first in the folder's name) and experiment (--exp-name): two scripts run with
+one --exp-name draw two lines. A line is the mean over the group's runs (its seeds), the band around it spans the
+lowest to the highest. Wall time is the time since the run's first logged row
 (its first validation), so Ray's start-up is left out; a group's runs are averaged step by step.
 
     pip install matplotlib
@@ -25,14 +26,16 @@ def require_matplotlib() -> None:
 
 
 def load_run(folder: Path) -> tuple[str, list[dict]]:
-    """(experiment name, the logged rows, each with its `elapsed` seconds since the first)."""
+    """(the run's group, the logged rows, each with its `elapsed` seconds since the first). The group is the algorithm
+    and the experiment, `algo exp_name`, or the experiment alone where it is the script's name (`grpo_hybrid`)."""
     config = json.loads((folder / "config.json").read_text())
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     if not rows or "wall_time" not in rows[0]:
         raise ValueError(f"{folder / 'metrics.jsonl'} has no wall_time in its rows: it was written before they had one")
     for row in rows:
         row["elapsed"] = row["wall_time"] - rows[0]["wall_time"]
-    return config["exp_name"], rows
+    algo, exp_name = folder.name.split("__")[0], config["exp_name"]
+    return exp_name if exp_name == f"{algo}_hybrid" else f"{algo} {exp_name}", rows
 
 
 def curves(runs: list[list[dict]], key: str) -> dict[str, list[float]]:

@@ -61,12 +61,20 @@ class RunArgs:
     """training prompts, verl-style parquet or jsonl files"""
     val_files: list[str] | None = None
     """validation prompts, same format; without them validation uses the training prompts"""
+    runs_dir: str = flag("runs", resumable=True)
+    """the folder that holds the runs' folders (metrics, checkpoints, the exported model); --resume auto looks there"""
     reward_fn: str | None = None
-    """your reward, `path/to/file.py:function_name`; by default a built-in reward per data_source"""
+    """your reward, `path/to/file.py:function_name` in verl's signature or TRL's, several comma-separated (their scores
+    summed, weighted by --reward-weights); by default a built-in reward per data_source (docs/rewards.md)"""
+    reward_weights: str | None = None
+    """with several --reward-fn functions: one weight each, comma-separated (TRL's reward_weights); default 1 each"""
     max_prompt_length: int = flag(512, positive=True)
-    """longest prompt in tokens; a longer one is an error unless --truncate-prompts"""
+    """longest prompt in tokens; a longer one is an error unless --truncate-prompts or --filter-overlong-prompts"""
     truncate_prompts: bool = False
     """keep the last --max-prompt-length tokens of a longer prompt instead of stopping"""
+    filter_overlong_prompts: bool = False
+    """leave out the rows whose prompt is longer than --max-prompt-length, and say how many (verl's
+    data.filter_overlong_prompts)"""
     max_response_length: int = flag(1024, positive=True)
     """most tokens generated per response; with --env, most tokens of an episode (the model's and the environment's)"""
     env: str | None = None
@@ -133,6 +141,9 @@ class RunArgs:
 
     total_steps: int = flag(500, resumable=True, positive=True)
     """training steps (one batch of prompts each)"""
+    total_epochs: int | None = flag(None, resumable=True, positive=True)
+    """passes over --train-files: the run stops after this many or after --total-steps, whichever comes first (the
+    epoch is logged as train/epoch)"""
     train_batch_size: int = flag(32, positive=True)
     """prompts per step"""
     n: int = flag(8, positive=True)
@@ -241,6 +252,7 @@ def check_args(args: RunArgs) -> None:
     """Every rule the shared flags keep with each other, checked before anything is loaded: a ValueError that names
     the flag and the rule it breaks. (What needs a file read, the data or the cluster is checked where it is read.)"""
     from common.data import check_batch_sizes
+    from common.rewards import reward_weights
     from common.rollout import check_rollout
     from common.rollout_correction import check_rollout_correction
 
@@ -312,6 +324,11 @@ def check_args(args: RunArgs) -> None:
             f"--reward-model-workers is {args.reward_model_workers}; use 0 to share the policy's accelerators (the "
             "only choice with --in-process), or more to place the reward model apart"
         )
+    if args.truncate_prompts and args.filter_overlong_prompts:
+        raise ValueError("--truncate-prompts keeps a long prompt's end, --filter-overlong-prompts leaves it out: pass one")
+    if os.path.exists(args.runs_dir) and not os.path.isdir(args.runs_dir):
+        raise ValueError(f"--runs-dir {args.runs_dir} is a file; name a folder (made if missing) for the runs' folders")
+    reward_weights(args.reward_fn, args.reward_weights)
     if not args.train_files:
         raise ValueError("--train-files is missing: name the prompt files to train on (verl-style parquet or jsonl)")
 

@@ -162,8 +162,8 @@ def find_checkpoint(resume: str | None, runs_dir: str, run_prefix: str) -> Path 
         else:
             if candidates:
                 raise ValueError(
-                    f"--resume auto: every checkpoint of runs/{run_prefix}__* is damaged (above, each with the file that "
-                    "differs from its manifest); copy them again from where they were saved, or leave out --resume to "
+                    f"--resume auto: every checkpoint of {runs_dir}/{run_prefix}__* is damaged (above, each with the file "
+                    "that differs from its manifest); copy them again from where they were saved, or leave out --resume to "
                     "start a new run from step 1"
                 )
             return None

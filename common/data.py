@@ -1,9 +1,11 @@
-"""Prompt files in verl's format, checked and tokenised before any worker starts.
+"""Prompt files in verl's format or TRL's, checked and tokenised before any worker starts.
 
-Each row: `prompt` (a list of chat messages, dicts with `role` and `content`),
-`data_source` (names the reward function), `reward_model` (a dict with
-`ground_truth`) and optionally `extra_info` (a dict, passed to the reward) and
+A verl row: `prompt` (a list of chat messages, dicts with `role` and `content`), `data_source` (names the reward
+function), `reward_model` (a dict with `ground_truth`) and optionally `extra_info` (a dict, passed to the reward) and
 `env` (with several --env environments: the one whose episode the row plays).
+A TRL row (one without `reward_model`): `prompt`, a string (used as it is, without the chat template, as TRL does) or
+a list of messages, and any other columns, which reach a reward function as TRL passes them (its `extra_info` in
+verl's signature); `data_source` (default "custom") and `ground_truth` columns are read when present.
 """
 
 from __future__ import annotations
@@ -71,13 +73,7 @@ def read_rows(path: str) -> list[dict]:
     return rows
 
 
-def check_row(row, path: str, index: int) -> None:
-    where = f"{path}, row {index}"
-    if not isinstance(row, dict):
-        raise DataError(f"{where}: expected an object with fields prompt, data_source, reward_model")
-    prompt = row.get("prompt")
-    if not isinstance(prompt, (list, tuple)) or not prompt:
-        raise DataError(f"{where}: field 'prompt' must be a non-empty list of chat messages, got {type(prompt).__name__}")
+def check_messages(prompt, where: str) -> None:
     for message in prompt:
         if (
             not isinstance(message, dict)
@@ -89,6 +85,29 @@ def check_row(row, path: str, index: int) -> None:
             )
     if not any(message["content"].strip() for message in prompt):
         raise DataError(f"{where}: field 'prompt' has no text (every message's 'content' is empty); fill it or drop the row")
+
+
+def check_row(row, path: str, index: int) -> None:
+    where = f"{path}, row {index}"
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected an object with fields prompt, data_source, reward_model")
+    prompt = row.get("prompt")
+    if "reward_model" not in row:  # TRL's format
+        if isinstance(prompt, str) and not prompt.strip():
+            raise DataError(f"{where}: field 'prompt' is an empty string; fill it or drop the row")
+        if not isinstance(prompt, (str, list, tuple)) or not prompt:
+            raise DataError(
+                f"{where}: field 'prompt' must be a string or a non-empty list of chat messages, got "
+                f"{type(prompt).__name__} (a verl row also has 'data_source' and 'reward_model')"
+            )
+        if not isinstance(prompt, str):
+            check_messages(prompt, where)
+        if not isinstance(row.get("data_source", ""), str):
+            raise DataError(f"{where}: field 'data_source' must be a string naming the reward function when present")
+        return
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        raise DataError(f"{where}: field 'prompt' must be a non-empty list of chat messages, got {type(prompt).__name__}")
+    check_messages(prompt, where)
     if not isinstance(row.get("data_source"), str):
         raise DataError(f"{where}: field 'data_source' must be a string naming the reward function")
     reward_model = row.get("reward_model")
@@ -105,20 +124,33 @@ def check_row(row, path: str, index: int) -> None:
         raise DataError(f"{where}: field 'env' must be a string naming one of --env's environments when present")
 
 
-def render_prompt(messages: list[dict], tokenizer, tools: list[dict] | None = None) -> str:
-    """The chat template when the tokenizer has one (with `tools`' JSON schemas), the messages' text otherwise."""
+def render_prompt(prompt, tokenizer, tools: list[dict] | None = None) -> str:
+    """A string prompt as it is; messages in the chat template when the tokenizer has one (with `tools`' JSON schemas),
+    their text otherwise."""
+    if isinstance(prompt, str):
+        return prompt
     if tokenizer.chat_template:
-        return tokenizer.apply_chat_template(list(messages), tools=tools, add_generation_prompt=True, tokenize=False)
-    return "\n".join(m["content"] for m in messages)
+        return tokenizer.apply_chat_template(list(prompt), tools=tools, add_generation_prompt=True, tokenize=False)
+    return "\n".join(m["content"] for m in prompt)
+
+
+def row_fields(row: dict) -> tuple[str, object, dict, dict]:
+    """(data_source, ground_truth, extra_info, the other columns) of a checked row of either format."""
+    columns = {key: value for key, value in row.items() if key != "prompt"}
+    if "reward_model" in row:
+        return row["data_source"], row["reward_model"]["ground_truth"], row.get("extra_info") or {}, columns
+    return row.get("data_source") or "custom", row.get("ground_truth", ""), columns, columns
 
 
 def load_prompts(
-    files: list[str], tokenizer, max_prompt_length: int, truncate: bool = False, envs: dict | None = None
+    files: list[str], tokenizer, max_prompt_length: int, overlong: str = "error", envs: dict | None = None
 ) -> DataProto:
-    """Read, check and tokenise every row of `files`; raise on the first bad one. `envs`: with --env or --tools, each
-    environment's tools by name (their schemas, rendered in the prompt; None for a step(text) environment): a row's
-    `env` field names its environment, kept as `env`, else the first."""
-    prompt_ids, data_sources, ground_truths, extra_infos, texts, messages, env_names = [], [], [], [], [], [], []
+    """Read, check and tokenise every row of `files`; raise on the first bad one. A prompt over `max_prompt_length`
+    tokens is an error, its last tokens kept (`overlong` "truncate") or the row left out ("drop", counted and printed).
+    `envs`: with --env or --tools, each environment's tools by name (their schemas, rendered in the prompt; None for a
+    step(text) environment): a row's `env` field names its environment, kept as `env`, else the first."""
+    prompt_ids, data_sources, ground_truths, extra_infos, texts, messages, prompts, columns = ([] for _ in range(8))
+    env_names, dropped = [], 0
     for path in data_files(files):
         for index, row in enumerate(read_rows(path)):
             check_row(row, path, index)
@@ -132,26 +164,40 @@ def load_prompts(
             text = render_prompt(row["prompt"], tokenizer, list(schemas.values()) if schemas else None)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(ids) > max_prompt_length:
-                if not truncate:
+                if overlong == "drop":
+                    dropped += 1
+                    continue
+                if overlong == "error":
                     raise DataError(
                         f"{path}, row {index}: the prompt has {len(ids)} tokens, more than --max-prompt-length "
-                        f"{max_prompt_length}; raise the limit or pass --truncate-prompts to keep its last tokens"
+                        f"{max_prompt_length}; raise the limit, pass --truncate-prompts to keep its last tokens or "
+                        "--filter-overlong-prompts to leave such rows out"
                     )
                 ids = ids[-max_prompt_length:]
+            source, truth, extra_info, other = row_fields(row)
             prompt_ids.append(ids)
             texts.append(text)
-            messages.append(list(row["prompt"]))
-            data_sources.append(row["data_source"])
-            ground_truths.append(row["reward_model"]["ground_truth"])
-            extra_infos.append(row.get("extra_info") or {})
+            prompt = row["prompt"]
+            messages.append([{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt))
+            prompts.append(prompt if isinstance(prompt, str) else list(prompt))
+            data_sources.append(source)
+            ground_truths.append(truth)
+            extra_infos.append(extra_info)
+            columns.append(other)
             env_names.append(env_name)
+    if dropped:
+        print(f"--filter-overlong-prompts: left out {dropped} prompts of {files} longer than {max_prompt_length} tokens")
+    if not prompt_ids:
+        raise DataError(f"every prompt of {files} is longer than --max-prompt-length {max_prompt_length}; raise it")
     rows = {
         "prompt_ids": prompt_ids,
         "prompt_text": texts,
         "prompt_messages": messages,
+        "prompt": prompts,
         "data_source": data_sources,
         "ground_truth": ground_truths,
         "extra_info": extra_infos,
+        "columns": columns,
     }
     return DataProto.from_dict(non_tensors=rows | ({"env": env_names} if envs else {}))
 

@@ -3,7 +3,7 @@
 A script's `Args` extends `RunArgs` (common/args.py) with the algorithm's own
 flags. Its `__main__` reads as the algorithm because the rest is a few calls:
 
-    run = Run("grpo", args)          # every input checked, data loaded, the run's folder, Ray
+    run = Run(args)                  # every input checked, data loaded, the run's folder, Ray
     policy = run.policy()            # the worker group: trainer, rollout engine, reference
     for step in run.steps():         # resumes or validates first; progress, stop requests
         ...                          # the algorithm's phases, inline
@@ -29,7 +29,8 @@ __all__ = ["Run", "RunArgs", "flag", "init_ray"]  # RunArgs and flag are the scr
 
 
 class Run:
-    """One training run of `algo` with `args` (a RunArgs), from the checks of its input to its exported model.
+    """One training run with `args` (a RunArgs), from the checks of its input to its exported model. The algorithm's
+    name is the script's (algorithm_name): it names the run's folder, its wandb tag and what --resume auto looks for.
 
     `worker_groups`: how many groups share each accelerator (PPO's policy and critic: 2).
     `prompts_per_batch`: prompts per `next_prompts()`; default --train-batch-size.
@@ -37,14 +38,7 @@ class Run:
     prompts: no rewards and no rollout engine, batches from `next_transcripts()`, and validation is the loss on them.
     """
 
-    def __init__(
-        self,
-        algo: str,
-        args: RunArgs,
-        worker_groups: int = 1,
-        prompts_per_batch: int | None = None,
-        supervised: bool = False,
-    ):
+    def __init__(self, args: RunArgs, worker_groups: int = 1, prompts_per_batch: int | None = None, supervised: bool = False):
         import torch
 
         from common.checkpoint import check_config, find_checkpoint
@@ -60,9 +54,9 @@ class Run:
         from common.transcripts import TranscriptLoader, load_transcripts
 
         # Everything that can be wrong with the input fails here, before any worker starts.
-        self.algo, self.args = algo, args
+        self.algo, self.args = algorithm_name(sys.argv[0]), args
         check_args(args)
-        self.run_prefix = f"{algo}__{args.exp_name}__{args.seed}"
+        self.run_prefix = f"{self.algo}__{args.exp_name}__{args.seed}"
         sys.excepthook = self._report_stop
         torch.manual_seed(args.seed)
         args.model_path = resolve_model(args.model_path)
@@ -84,10 +78,11 @@ class Run:
             self.scorer = Scorer(args, self.tokenizer)
             environments = load_environments(episode_spec(args.env, args.tools)) if args.env or args.tools else None
             envs = environments and environments.check(self.tokenizer, self.eos_token_ids)  # each one's tools, by name
-            train_data = load_prompts(args.train_files, self.tokenizer, args.max_prompt_length, args.truncate_prompts, envs)
+            overlong = "drop" if args.filter_overlong_prompts else "truncate" if args.truncate_prompts else "error"
+            train_data = load_prompts(args.train_files, self.tokenizer, args.max_prompt_length, overlong, envs)
             val_data = train_data
             if args.val_files:
-                val_data = load_prompts(args.val_files, self.tokenizer, args.max_prompt_length, args.truncate_prompts, envs)
+                val_data = load_prompts(args.val_files, self.tokenizer, args.max_prompt_length, overlong, envs)
             self.scorer.check_prompts(train_data, val_data)
             self.val_name = "held-out accuracy" if args.val_files else "accuracy on the training prompts (no --val-files)"
         batch_size = prompts_per_batch or args.train_batch_size
@@ -98,17 +93,22 @@ class Run:
                 f"{' '.join(args.train_files)}: lower it, or add prompts"
             )
         self.train_loader = loader(train_data, batch_size, pad_token_id, shuffle=True, seed=args.seed)
+        epoch_steps = None if args.total_epochs is None else args.total_epochs * len(self.train_loader)
+        if epoch_steps is not None and epoch_steps < args.total_steps:  # whichever comes first
+            print(f"--total-epochs {args.total_epochs} of {len(self.train_loader)} batches each: {epoch_steps} steps")
+            args.total_steps = epoch_steps
         self.val_loader = loader(val_data, args.val_batch_size, pad_token_id, shuffle=False, drop_last=False)
-        self.resume_from = find_checkpoint(args.resume, "runs", self.run_prefix)
+        self.resume_from = find_checkpoint(args.resume, args.runs_dir, self.run_prefix)
         if self.resume_from is not None:
             check_config(self.resume_from, args, args.force_resume)
         elif args.resume == "auto":
-            print(f"--resume auto: no checkpoint of runs/{self.run_prefix}__* yet, so this run starts from step 1")
+            print(f"--resume auto: no checkpoint of {args.runs_dir}/{self.run_prefix}__* yet, so this run starts from step 1")
         wandb = dict(wandb_project=args.wandb_project_name, wandb_entity=args.wandb_entity) if args.track else {}
         script = sys.argv[0] if sys.argv[0].endswith(".py") else None
         # the code that made the curve, and in wandb the experiment's group with the algorithm as a tag
-        provenance = dict(script=script, group=args.exp_name, tags=(algo,))
-        self.tracker = Tracker(self.run_prefix, dataclasses.asdict(args), self.resume_from, **wandb, **provenance)
+        provenance = dict(script=script, group=args.exp_name, tags=(self.algo,))
+        config, runs_dir = dataclasses.asdict(args), args.runs_dir
+        self.tracker = Tracker(self.run_prefix, config, self.resume_from, **wandb, runs_dir=runs_dir, **provenance)
         start_console(self.tracker.run_dir)  # the console a person reads; all of it in the run's folder
 
         reward_workers = args.reward_workers
@@ -300,6 +300,8 @@ class Run:
             metrics |= {"rollout/staleness_mean": staleness.mean().item(), "rollout/staleness_max": staleness.max().item()}
         if self.rollouts is not None:
             self.rollouts.version = step  # the step's update: validation and the next generate see it
+        position, batches = self.train_loader.state_dict(), len(self.train_loader)
+        metrics["train/epoch"] = position["epoch"] + position["batch_index"] / batches  # passes over the data so far
         if "ending" in batch:
             metrics |= episode_metrics(batch, "env/")
         # the reward's own keys beside its counts, which keep a name both use
@@ -367,7 +369,7 @@ class Run:
         else:
             sys.__excepthook__(kind, error, traceback)
             return
-        checkpoint = next(iter(saved_checkpoints("runs", self.run_prefix)), None)  # unchecked: --resume checks it
+        checkpoint = next(iter(saved_checkpoints(self.args.runs_dir, self.run_prefix)), None)  # unchecked: --resume checks it
         if checkpoint is None:
             where = "no complete checkpoint yet: the command below starts the run again from step 1"
         else:
@@ -398,6 +400,17 @@ class Run:
             group.shutdown()
         if self.pool is not None:
             self.pool.shutdown()
+
+
+def algorithm_name(script: str) -> str:
+    """The algorithm's name from its script's file name: `algos/my_algo_hybrid.py` -> `my_algo`."""
+    name = os.path.splitext(os.path.basename(script))[0].removesuffix("_hybrid")
+    if not name or "__" in name:
+        raise ValueError(
+            f"the script {script} names the algorithm {name!r}; a run's folder joins the algorithm, --exp-name and "
+            "--seed with '__', so name the script <algorithm>_hybrid.py without '__'"
+        )
+    return name
 
 
 def likely_cause(error) -> str:

@@ -14,7 +14,7 @@ class Scorer:
 
     def __init__(self, args, tokenizer):
         from common.pretrained import resolve as resolve_model
-        from common.rewards import load_reward_fn
+        from common.rewards import load_reward_fn, reward_weights
 
         self.args, self.tokenizer = args, tokenizer
         self.by_model = args.reward_model is not None or args.judge_model is not None
@@ -31,6 +31,7 @@ class Scorer:
             if args.judge_mode == "probability":
                 verdict_token_ids(self.judge_tokenizer, args.judge_model)
         self.reward_fn = load_reward_fn(args.reward_fn)
+        self.weights = reward_weights(args.reward_fn, args.reward_weights)
         # what start() starts: the rule's calls, the model's group, and its own accelerators (--reward-model-workers)
         self.rewards, self.reward_model, self.judge, self.pool = None, None, None, None
 
@@ -132,13 +133,13 @@ class Scorer:
 
         args = self.args
         if self.reward_model is None and self.judge is None:
-            return score_texts(texts, batch, self.rewards, args.max_reward_error_share)
+            return score_texts(texts, batch, self.rewards, args.max_reward_error_share, self.weights)
         ruled = np.array([i for i, source in enumerate(batch["data_source"]) if has_rule(source, self.reward_fn)])
-        rule_scores, counts, rule_extras = [], {"reward/errors": 0, "reward/timeouts": 0}, []
+        rule_scores, counts, rule_extras = [], {"reward/errors": 0, "reward/timeouts": 0, "reward/unscored": 0}, []
         if len(ruled):
             ruled_texts = [texts[i] for i in ruled]
             rule_scores, counts, rule_extras = score_texts(
-                ruled_texts, batch[ruled], self.rewards, args.max_reward_error_share
+                ruled_texts, batch[ruled], self.rewards, args.max_reward_error_share, self.weights
             )
         if self.judge is not None:
             key = "judge"

@@ -27,6 +27,7 @@ def test_settings_that_keep_every_rule_pass():
     check_args(args_with(micro_batch_tokens="auto", max_memory_share=0.5, rollout_workers=1, max_staleness=2))
     check_args(args_with(in_process=True, num_workers=None, mini_batch_size=2))
     check_args(args_with(judge_model="judge", judge_template="Is {response} right?"))
+    check_args(args_with(reward_fn="a.py:f,b.py:g", reward_weights="1,0.5", total_epochs=2, filter_overlong_prompts=True))
 
 
 BROKEN_RULES = [
@@ -58,6 +59,12 @@ BROKEN_RULES = [
     (dict(reward_model_workers=-1), "--reward-model-workers is -1; use 0 to share the policy's accelerators"),
     (dict(reward_model_workers=1, in_process=True), "--reward-model-workers is 1; use 0 to share"),
     (dict(train_files=None), "--train-files is missing: name the prompt files to train on"),
+    (dict(total_epochs=0), "--total-epochs is 0; it must be above 0"),
+    (dict(truncate_prompts=True, filter_overlong_prompts=True), "--filter-overlong-prompts leaves it out: pass one"),
+    (dict(runs_dir=__file__), "is a file; name a folder (made if missing) for the runs' folders"),
+    (dict(reward_weights="1"), "--reward-weights weighs the functions of --reward-fn: pass --reward-fn too"),
+    (dict(reward_fn="a.py:f,b.py:g", reward_weights="1"), "gives 1 weights for the 2 functions of --reward-fn"),
+    (dict(reward_fn="a.py:f", reward_weights="one"), "--reward-weights 'one': write numbers separated by commas"),
 ]
 
 

@@ -89,12 +89,31 @@ def test_a_folder_reads_the_data_files_inside_and_says_which(tmp_path, tokenizer
         load_prompts([str(tmp_path / "empty")], tokenizer, 16)
 
 
-def test_long_prompt_is_an_error_or_truncated(tmp_path, tokenizer):
+def test_long_prompt_is_an_error_truncated_or_dropped(tmp_path, tokenizer, capsys):
     path = write_jsonl(tmp_path / "long.jsonl", [row(), row("12345+67890=")])
     with pytest.raises(DataError, match=r"long.jsonl, row 1: the prompt has 12 tokens, more than --max-prompt-length 8"):
         load_prompts([path], tokenizer, 8)
-    data = load_prompts([path], tokenizer, 8, truncate=True)
+    data = load_prompts([path], tokenizer, 8, overlong="truncate")
     assert tokenizer.decode(data["prompt_ids"][1]) == "5+67890="
+    data = load_prompts([path], tokenizer, 8, overlong="drop")  # verl's filter_overlong_prompts
+    assert list(data["prompt_text"]) == ["1+2="]
+    assert "left out 1 prompts" in capsys.readouterr().out
+    with pytest.raises(DataError, match="every prompt of .* is longer than --max-prompt-length 3"):
+        load_prompts([path], tokenizer, 3, overlong="drop")
+
+
+def test_trl_rows_a_string_or_messages_with_their_columns(tmp_path, tokenizer):
+    rows = [
+        {"prompt": "1+2=", "answer": "3", "level": 1},
+        {"prompt": [{"role": "user", "content": "2+2="}], "data_source": "addition", "ground_truth": "4"},
+    ]
+    data = load_prompts([write_jsonl(tmp_path / "trl.jsonl", rows)], tokenizer, 16)
+    assert list(data["prompt_text"]) == ["1+2=", "2+2="] and list(data["data_source"]) == ["custom", "addition"]
+    assert list(data["ground_truth"]) == ["", "4"]
+    assert data["columns"][0] == {"answer": "3", "level": 1} == data["extra_info"][0]
+    assert data["prompt"][0] == "1+2=" and data["prompt"][1] == rows[1]["prompt"]
+    with pytest.raises(DataError, match="row 0: field 'prompt' must be a string or a non-empty list of chat messages"):
+        load_prompts([write_jsonl(tmp_path / "bad.jsonl", [{"prompt": 3}])], tokenizer, 16)
 
 
 def test_chat_template_applied_when_present(tmp_path, tokenizer):

@@ -228,7 +228,7 @@ def test_a_hanging_reward_is_cut_off(tokenizer):
     scores, metrics, _ = score(batch, tokenizer, InProcessCalls(slow, "slow.py:slow", REWARD_CALLS, timeout=0.5))
     assert time.time() - started < 5
     assert scores.tolist() == [1.0, 0.0]
-    assert metrics == {"reward/errors": 0, "reward/timeouts": 1}
+    assert metrics == {"reward/errors": 0, "reward/timeouts": 1, "reward/unscored": 0}
 
 
 # The flags of each case ({tmp}: the test's folder, {model}, {val}: the demo's), and what the refusal says

@@ -39,3 +39,20 @@ def test_a_run_logged_before_wall_time_is_named(demo_files, tmp_path):
     (old / "metrics.jsonl").write_text(json.dumps({"step": 0, "val/accuracy": 0.5}) + "\n")
     with pytest.raises(ValueError, match="old_run/metrics.jsonl has no wall_time in its rows"):
         load_run(old)
+
+
+def test_two_algorithms_of_one_experiment_draw_as_two_lines(tmp_path):
+    folders = []
+    for algo, reward in (("grpo", 0.5), ("my_algo", 0.7)):
+        folder = tmp_path / f"{algo}__compare__1__1767225600__abcdef"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"exp_name": "compare"}))
+        rows = [{"step": step, "wall_time": 100.0 + step, "train/reward_mean": reward} for step in (1, 2)]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        folders.append(folder)
+    assert [load_run(folder)[0] for folder in folders] == ["grpo compare", "my_algo compare"]
+    default = tmp_path / "grpo__grpo_hybrid__1__1767225600__abcdef"
+    default.mkdir()
+    (default / "config.json").write_text(json.dumps({"exp_name": "grpo_hybrid"}))
+    (default / "metrics.jsonl").write_text(json.dumps({"step": 1, "wall_time": 1.0}) + "\n")
+    assert load_run(default)[0] == "grpo_hybrid"  # the script's own name says the algorithm already

@@ -11,27 +11,87 @@ from common.rewards import (
     check_data_sources,
     default_reward,
     extra_means,
+    gsm8k_lenient,
     gsm8k_reward,
     load_reward_fn,
+    reward_weights,
     score,
+    score_texts,
     score_value,
 )
 
 
+# (response, ground truth, verl's score, the lenient score): verl's gsm8k.py (strict) gave the third column
 @pytest.mark.parametrize(
-    "response, truth, expected",
+    "response, truth, verl, lenient",
     [
-        ("so the answer is #### 72", "72", 1.0),
-        ("#### 1,234", "1234", 1.0),
-        ("#### $18.", "18", 1.0),
-        ("#### 5 then later #### 6", "6", 1.0),
-        ("#### 5 then later #### 6", "5", 0.0),
-        ("the answer is 72", "72", 0.0),
-        ("#### 71", "72", 0.0),
+        ("so the answer is #### 72", "72", 1.0, 1.0),
+        ("####72", "72", 0.0, 1.0),
+        ("#### 72.0", "72", 0.0, 1.0),
+        ("#### 72.", "72", 0.0, 1.0),
+        ("#### $18", "18", 0.0, 1.0),
+        ("#### 1,234", "1234", 1.0, 1.0),
+        ("#### 5 then later #### 6", "6", 1.0, 1.0),
+        ("#### 5 then later #### 6", "5", 0.0, 0.0),
+        ("#### 7" + "x" * 400, "7", 0.0, 1.0),  # verl reads the last 300 characters only
+        ("the answer is 72", "72", 0.0, 0.0),
+        ("#### 71", "72", 0.0, 0.0),
     ],
 )
-def test_gsm8k(response, truth, expected):
-    assert gsm8k_reward(response, truth) == expected
+def test_gsm8k_scores_as_verl_and_leniently_by_name(response, truth, verl, lenient):
+    assert gsm8k_reward(response, truth) == verl == default_reward("openai/gsm8k", response, truth, {})
+    assert gsm8k_lenient("openai/gsm8k", response, truth, {}) == lenient
+
+
+def test_verls_math_data_sources_have_their_built_in_rewards():
+    for source in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"):
+        assert default_reward(source, "so \\boxed{\\frac{1}{2}}", "0.5", {}) == 1.0
+        assert default_reward(source, "so \\boxed{3}", "\\frac{1}{2}", {}) == 0.0
+    for source in ("math_dapo", "aime2024", "aime_2025"):  # verl's math_dapo.py scores these 1 or -1
+        assert default_reward(source, "work...\nAnswer: $\\frac{1}{2}$", "\\frac{1}{2}", {}) == {"score": 1.0, "acc": 1.0}
+        assert default_reward(source, "Answer: 3", "4", {}) == {"score": -1.0, "acc": 0.0}
+        assert default_reward(source, "no final answer line", "4", {})["score"] == -1.0
+    check_data_sources(DataProto.from_dict(non_tensors={"data_source": ["aime24", "lighteval/MATH"]}), default_reward)
+
+
+def test_trl_reward_functions_weighted_with_none_for_no_score(tmp_path):
+    """TRL's signature: lists of one sample, the row's columns as keyword arguments, None for no score; several functions
+    summed by their weights, None left out, each logged under its name."""
+    (tmp_path / "trl_rewards.py").write_text(
+        "def text(completion):  # TRL's completion: a string, or the assistant's message after a list of messages\n"
+        "    return completion if isinstance(completion, str) else completion[0]['content']\n"
+        "def correct(completions, answer, **kwargs):\n"
+        "    return [1.0 if text(c) == a else 0.0 for c, a in zip(completions, answer)]\n"
+        "def short(completions, prompts, level, **kwargs):\n"
+        "    assert isinstance(completions[0], str) == isinstance(prompts[0], str)\n"
+        "    return [None if lv is None else -len(text(c)) for c, lv in zip(completions, level)]\n"
+    )
+    spec = f"{tmp_path}/trl_rewards.py:correct,{tmp_path}/trl_rewards.py:short"
+    messages = [{"role": "user", "content": "2+2="}]
+    batch = DataProto.from_dict(
+        non_tensors={
+            "data_source": ["custom"] * 3,
+            "ground_truth": [""] * 3,
+            "extra_info": [{}] * 3,
+            "prompt": ["1+2=", messages, messages],
+            "columns": [{"answer": "3", "level": 1}, {"answer": "4", "level": None}, {"answer": "5", "level": None}],
+        }
+    )
+    weights = reward_weights(spec, "1.0,0.5")
+    for calls in InProcessCalls(load_reward_fn(spec), spec, REWARD_CALLS), CallProcesses(spec, 2, REWARD_CALLS):
+        scores, metrics, extras = score_texts(["3", "4", "44"], batch, calls, weights=weights)
+        calls.close()
+        assert scores == [1.0 - 0.5, 1.0, 0.0] and metrics["reward/errors"] == 0
+        assert extras == [{"correct": 1.0, "short": -1.0}, {"correct": 1.0}, {"correct": 0.0}]
+        assert extra_means(extras, "reward/") == {"reward/correct": 2 / 3, "reward/short": -1.0}
+    only_short = f"{tmp_path}/trl_rewards.py:short"
+    calls = InProcessCalls(load_reward_fn(only_short), only_short, REWARD_CALLS)
+    scores, metrics, _ = score_texts(["3", "4"], batch[[0, 1]], calls)
+    assert scores == [-1.0, 0.0] and metrics["reward/unscored"] == 1  # no function scored the second: 0, counted
+    with pytest.raises(ValueError, match="gives 1 weights for the 2 functions of --reward-fn"):
+        reward_weights(spec, "1.0")
+    with pytest.raises(ValueError, match="pass --reward-fn too"):
+        reward_weights(None, "1.0")
 
 
 def batch_of(tokenizer, texts, truths, source="addition"):
@@ -154,12 +214,12 @@ def test_reward_processes_survive_what_a_reward_does(tmp_path, tokenizer, capsys
         texts = ["1", "2", "3", "4", "5", "6"] + ["7"] * 10  # sent two at a time: a killed call's partner goes again
         scores, metrics, extras = score(batch_of(tokenizer, texts, texts), tokenizer, pool)
         assert scores.tolist() == [0.0] * 6 + [1.0] * 10
-        assert metrics == {"reward/errors": 4, "reward/timeouts": 2}
+        assert metrics == {"reward/errors": 4, "reward/timeouts": 2, "reward/unscored": 0}
         printed = capsys.readouterr().err
         assert "died with exit code -11" in printed and "SystemExit: 4" in printed and "pickle" in printed
         assert printed.count("died with exit code") == 1  # the second death, os._exit's, is the same kind
         scores, metrics, extras = score(batch_of(tokenizer, ["7", "8"], ["7", "8"]), tokenizer, pool)
-        assert scores.tolist() == [1.0, 1.0] and metrics == {"reward/errors": 0, "reward/timeouts": 0}
+        assert scores.tolist() == [1.0, 1.0] and metrics == {"reward/errors": 0, "reward/timeouts": 0, "reward/unscored": 0}
         assert all(psutil.pid_exists(extra["pid"]) for extra in extras)
     finally:
         pool.close()

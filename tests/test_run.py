@@ -2,11 +2,12 @@
 (runs to their end and their stops: test_scripts.py, test_long_runs.py, test_faults.py)."""
 
 import sys
+from pathlib import Path
 
 import pytest
 
 from common.args import RunArgs
-from common.run import Run, likely_cause, resume_command
+from common.run import Run, algorithm_name, likely_cause, resume_command
 from common.worker_group import WorkerDied
 
 
@@ -31,6 +32,8 @@ def test_a_dead_worker_is_explained_by_what_it_was_doing():
 def in_tmp_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # a Run sets its own
+    script = Path(__file__).resolve().parents[1] / "algos" / "grpo_hybrid.py"
+    monkeypatch.setattr(sys, "argv", [str(script)])  # the script a Run takes the algorithm's name from (and copies)
     return tmp_path
 
 
@@ -42,14 +45,14 @@ def run_args(demo_files, **changes) -> RunArgs:
 
 def test_more_prompts_a_round_than_the_data_has_fail_before_any_worker(demo_files, in_tmp_path):
     with pytest.raises(ValueError, match=r"the prompts drawn per round \(--gen-batch-size\) is 200 prompts, more than"):
-        Run("dapo", run_args(demo_files), prompts_per_batch=200)
+        Run(run_args(demo_files), prompts_per_batch=200)
     with pytest.raises(ValueError, match="--train-batch-size is 128 prompts, more than the 100 in --train-files"):
-        Run("grpo", run_args(demo_files, train_batch_size=128, mini_batch_size=64))
+        Run(run_args(demo_files, train_batch_size=128, mini_batch_size=64))
     assert not (in_tmp_path / "runs").exists()
 
 
 def test_resume_auto_with_no_checkpoint_starts_from_step_1(demo_files, in_tmp_path, capsys):
-    run = Run("grpo", run_args(demo_files, resume="auto", in_process=True))
+    run = Run(run_args(demo_files, resume="auto", in_process=True))
     try:
         assert run.resume_from is None and run.start_step == 1
         assert run.val_name == "held-out accuracy"
@@ -58,3 +61,10 @@ def test_resume_auto_with_no_checkpoint_starts_from_step_1(demo_files, in_tmp_pa
         run.scorer.close()
         run.rollouts.close()
         run.tracker.close()
+
+
+def test_the_algorithm_is_named_by_its_script():
+    assert algorithm_name("algos/grpo_hybrid.py") == "grpo"
+    assert algorithm_name("/tmp/x/my_algo_hybrid.py") == "my_algo" and algorithm_name("plain.py") == "plain"
+    with pytest.raises(ValueError, match="name the script <algorithm>_hybrid.py without '__'"):
+        algorithm_name("my__algo_hybrid.py")

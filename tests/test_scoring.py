@@ -28,7 +28,7 @@ def test_the_rule_scores_each_response_and_keeps_its_other_keys(tokenizer, tmp_p
     finally:
         scorer.close()
     assert scores == [1.0, 0.0]
-    assert counts == {"reward/errors": 0, "reward/timeouts": 0}
+    assert counts == {"reward/errors": 0, "reward/timeouts": 0, "reward/unscored": 0}
     assert extras == [{"length": 1}, {"length": 2}]
 
 
