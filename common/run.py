@@ -122,7 +122,8 @@ class Run:
             self.train_batches = self.train_loader.forever()
         else:
             self.scorer.start(self.pool, reward_workers)
-            self.rollouts = RolloutSupply(args, self.tokenizer, self.eos_token_ids, self.train_loader, environments, reward_workers)
+            supply = (self.tokenizer, self.eos_token_ids, self.train_loader, environments, reward_workers)
+            self.rollouts = RolloutSupply(args, *supply)
         self.groups = {}
         self.start_step, self.first_val, self.last_val, self.bad_steps = 1, None, None, 0
         self.resumed, self.stop, self.step_start, self.postfix, self.last_step = False, None, 0.0, {}, 0

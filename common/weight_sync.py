@@ -150,9 +150,7 @@ def engine_adapter(model) -> dict[str, torch.Tensor]:
     return adapter_weights({name: param.full_tensor() for name, param in model.named_parameters() if is_adapter(name)})
 
 
-def join_group(
-    address: tuple[str, int], rank: int, size: int, device: torch.device, timeout=datetime.timedelta(minutes=30)
-):
+def join_group(address: tuple[str, int], rank: int, size: int, device: torch.device, timeout=datetime.timedelta(minutes=30)):
     """The weight group: the policy's rank 0 (rank 0 here, which serves the rendezvous at `address`) and every rollout
     engine's process. A group apart from each side's own, so that neither needs the other in its collectives.
     `timeout`: how long a broadcast waits for its peers (an engine may finish a long generation before it joins one)."""

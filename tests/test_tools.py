@@ -17,7 +17,7 @@ from common.data import DataError, collate, load_prompts
 from common.dataproto import DataProto
 from common.envs import ENV_CALLS, call_env, episode_spec, load_environments, run_episodes
 from common.isolation import REPORTED_FAILURES, CallProcesses, InProcessCalls
-from common.tools import TOOL_CALL_FRAMING, check_tool_template, parse_tool_calls, read_chat_template, render
+from common.tools import check_tool_template, parse_tool_calls, read_chat_template, render
 from helpers import metrics_of, run_script, stop_in_process
 
 TOOLS = '''

@@ -112,7 +112,7 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", required=True, help="a reasoning-gym task: chain_sum, basic_arithmetic, leg_counting...")
-    parser.add_argument("--config", default="{}", help='the task\'s configuration as JSON, e.g. \'{"max_digits": 1}\'')
+    parser.add_argument("--config", default="{}", help="the task's configuration as JSON, e.g. '{\"max_digits\": 1}'")
     parser.add_argument("--answer-format", choices=("tags", "last-number"), default="tags")
     parser.add_argument("--train-size", type=int, default=1000)
     parser.add_argument("--test-size", type=int, default=100)
@@ -124,8 +124,10 @@ if __name__ == "__main__":
     except ImportError:
         parser.error('reasoning-gym is not installed: pip install -e ".[reasoning-gym]"')
     if options.task not in reasoning_gym.factory.DATASETS:
-        parser.error(f"--task {options.task}: reasoning-gym has no such task; some it has: "
-                     f"{', '.join(sorted(reasoning_gym.factory.DATASETS)[:12])}...")
+        parser.error(
+            f"--task {options.task}: reasoning-gym has no such task; some it has: "
+            f"{', '.join(sorted(reasoning_gym.factory.DATASETS)[:12])}..."
+        )
     try:
         config = json.loads(options.config)
     except json.JSONDecodeError as error:
