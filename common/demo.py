@@ -41,7 +41,7 @@ WARM_START_LR = 3e-3
 CALCULATOR_WARM_PROBLEMS = 200
 CALCULATOR_WARM_START_STEPS = 50
 TIMES_TABLES_CACHE_VERSION = "times-tables-v1"
-MULTIPLY_TOOL_CACHE_VERSION = "multiply-tool-v1"
+MULTIPLY_TOOL_CACHE_VERSION = "multiply-tool-v2"
 # Transcripts for the warm start (and its held-out loss), prompts for RL and its held-out accuracy: disjoint problems.
 MULTIPLY_TOOL_SIZES = {"sft_train": 2000, "sft_val": 100, "train": 1000, "val": 200}
 MULTIPLY_QUESTIONS = (
@@ -111,19 +111,6 @@ def times_tables_problems() -> tuple[list[tuple[int, int]], list[tuple[int, int]
     return problems[:72], problems[72:]
 
 
-def multiply(a: int, b: int) -> int:
-    """Multiply two integers.
-
-    Args:
-        a: The first factor.
-        b: The second factor.
-
-    Returns:
-        The product of a and b.
-    """
-    return a * b
-
-
 def multiply_tool_problems() -> dict[str, list[tuple[int, int]]]:
     """Products of a 3-digit by a 2-digit number, too large for SmolLM2-135M to compute in its head, drawn without
     repeats into MULTIPLY_TOOL_SIZES' parts."""
@@ -144,31 +131,6 @@ def multiply_tool_transcript(a: int, b: int, question: str) -> list[dict]:
         {"role": "tool", "name": "multiply", "content": str(a * b)},
         {"role": "assistant", "content": str(a * b)},
     ]
-
-
-def framed_in_text(messages: list[dict], tools: list[dict]) -> list[dict]:
-    """`messages` as a chat template that drops tools (SmolLM2's plain ChatML) still shows them, in Qwen2.5's words:
-    the tools' schemas in a system message, each call as `<tool_call>` JSON in the assistant's text, each result as a
-    user's `<tool_response>`. Rendered with ChatML these are the tokens Qwen2.5's template gives the conversation."""
-    import json
-
-    schemas = "\n".join(json.dumps(tool) for tool in tools)
-    system = (
-        "You are a helpful AI assistant named SmolLM, trained by Hugging Face\n\n# Tools\n\nYou may call one or more "
-        "functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> "
-        f"XML tags:\n<tools>\n{schemas}\n</tools>\n\nFor each function call, return a json object with function name and "
-        "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
-    )
-    framed = [{"role": "system", "content": system}]
-    for message in messages:
-        calls = [call["function"] for call in message.get("tool_calls") or []]
-        text = "\n".join(f"<tool_call>\n{json.dumps(call)}\n</tool_call>" for call in calls)
-        if message["role"] == "tool":
-            framed.append({"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"})
-        else:
-            framed.append({"role": message["role"], "content": "\n".join(filter(None, [message["content"], text]))})
-    return framed
 
 
 def calculator_transcript(a: int, b: int) -> list[tuple[str, bool]]:
@@ -288,34 +250,33 @@ def build_times_tables(folder: Path, model_seed: int) -> None:
 def build_multiply_tool(folder: Path, model_seed: int) -> None:
     """The multiplication tool's files, for any model (`model_seed` has no use here): transcripts for the warm start
     (sft_train.jsonl, sft_val.jsonl: `messages` with `tool_calls`, and `tools`) and prompts for RL (train.parquet,
-    val.parquet: data source multiply_tool, the product as ground truth); each also `_framed` (framed_in_text) for a
-    chat template that drops tools."""
+    val.parquet: data source multiply_tool, the product as ground truth; the tool comes from `--tools multiply`)."""
     import json
 
     import pyarrow as pa
     import pyarrow.parquet as pq
     from transformers.utils import get_json_schema
 
+    from common.tools import multiply
+
     tools = [get_json_schema(multiply)]
     for name, problems in multiply_tool_problems().items():
         questions = [MULTIPLY_QUESTIONS[i % len(MULTIPLY_QUESTIONS)].format(a=a, b=b) for i, (a, b) in enumerate(problems)]
         transcripts = [multiply_tool_transcript(a, b, question) for (a, b), question in zip(problems, questions)]
-        for suffix, frame in (("", False), ("_framed", True)):
-            shown = [framed_in_text(messages, tools) if frame else messages for messages in transcripts]
-            if name.startswith("sft"):
-                rows = [{"messages": messages} | ({} if frame else {"tools": tools}) for messages in shown]
-                (folder / f"{name}{suffix}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-                continue
-            rows = [
-                {
-                    "prompt": messages[: 2 if frame else 1],  # the system message of the framing, the user's question
-                    "data_source": "multiply_tool",
-                    "reward_model": {"ground_truth": str(a * b)},
-                    "extra_info": {"a": a, "b": b},
-                }
-                for messages, (a, b) in zip(shown, problems)
-            ]
-            pq.write_table(pa.Table.from_pylist(rows), folder / f"{name}{suffix}.parquet")
+        if name.startswith("sft"):
+            rows = [{"messages": messages, "tools": tools} for messages in transcripts]
+            (folder / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+            continue
+        rows = [
+            {
+                "prompt": messages[:1],  # the user's question
+                "data_source": "multiply_tool",
+                "reward_model": {"ground_truth": str(a * b)},
+                "extra_info": {"a": a, "b": b},
+            }
+            for messages, (a, b) in zip(transcripts, problems)
+        ]
+        pq.write_table(pa.Table.from_pylist(rows), folder / f"{name}.parquet")
 
 
 def prepare(task: str = "addition", model_seed: int = DEMO_SEED) -> tuple[str, str, str]:
@@ -415,8 +376,8 @@ def apply(args_cls, args, **settings):
     return tyro.cli(args_cls, default=demo_defaults)
 
 
-# sft_hybrid.py's demo on the real model: the multiplication tool's transcripts framed in text, since SmolLM2's chat
-# template drops tools; LoRA, as the times tables train it. A framed prompt is about 250 tokens, the rest about 70.
+# sft_hybrid.py's demo on the real model: the multiplication tool's transcripts through the built-in ChatML tool template
+# (SmolLM2's own drops tools); LoRA, as the times tables train it. A prompt is about 250 tokens, the rest about 70.
 WARM_START_DEFAULTS = dict(
     lora_rank=16,
     lora_alpha=32,
@@ -429,12 +390,13 @@ WARM_START_DEFAULTS = dict(
     max_response_length=96,
     test_freq=10,
     val_batch_size=100,
+    chat_template="chatml_tools",
 )
 
 
 def apply_warm_start(args_cls, args):
     """sft_hybrid.py's arguments, with its built-in demo where asked for: with a packaged real model (`--model-path
-    smollm2`) and no --train-files, the multiplication tool's framed transcripts (build_multiply_tool) and
+    smollm2`) and no --train-files, the multiplication tool's transcripts (build_multiply_tool) and
     WARM_START_DEFAULTS; flags the user wrote still win. Any other run needs --model-path and --train-files."""
     import tyro
 
@@ -448,6 +410,6 @@ def apply_warm_start(args_cls, args):
     if args.train_files:
         return args
     folder = Path(prepare("multiply_tool")[1]).parent
-    files = dict(train_files=[str(folder / "sft_train_framed.jsonl")], val_files=[str(folder / "sft_val_framed.jsonl")])
+    files = dict(train_files=[str(folder / "sft_train.jsonl")], val_files=[str(folder / "sft_val.jsonl")])
     print(f"built-in demo: {args.model_path} learns to call multiply(a, b) from {folder}; demo defaults {WARM_START_DEFAULTS}")
     return tyro.cli(args_cls, default=args_cls(model_path=args.model_path, **files, **WARM_START_DEFAULTS))

@@ -38,6 +38,8 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 cloudpickle.register_pickle_by_value(grpo_hybrid)
 
 ROOT = Path(__file__).resolve().parents[1]
+# The RL scripts, each a fork of another: every script in algos/ but the supervised warm start (sft_hybrid.py).
+RL_SCRIPTS = sorted(path.stem for path in (ROOT / "algos").glob("*_hybrid.py") if path.stem != "sft_hybrid")
 # Two steps on 2 workers, validating at each (test_scripts.py and the tests that run a script to its end).
 SMALL_RUN = [
     "--total-steps",

@@ -1,13 +1,13 @@
 """GRPO's math against values computed by hand."""
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from grpo_hybrid import agg_loss, compute_grpo_advantages, compute_policy_loss, kl_penalty
+from helpers import RL_SCRIPTS
 
 from common import rollout_correction
 from common.rollout_correction import rollout_gap_of_update, rollout_logprob_gap
@@ -119,10 +119,9 @@ def test_policy_loss_with_tis_weights_each_token():
     assert loss.item() == pytest.approx((2.0 * -1.2 + 0.5 * -0.5 + 0.25 * 2.0) / 3)
 
 
-SCRIPTS = sorted(path.stem for path in (Path(__file__).parents[1] / "algos").glob("*_hybrid.py"))  # every script
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", RL_SCRIPTS)
 def test_actor_loss_without_old_log_probs_equals_the_loss_with_them(script):
     """One optimiser step per batch skips the old-log-prob pass: the update's own log-probs, held constant, give the
     loss, the gradient and the metrics that the pass's (equal) log-probs would."""

@@ -286,7 +286,7 @@ BAD_INPUT = {
     ),
     "staleness-with-env": (
         ["--rollout-workers", "1", "--max-staleness", "1", "--env", "calculator"],
-        "--env runs episodes turn by turn with the environment, a batch at a time: drop --max-staleness",
+        "--env and --tools run episodes turn by turn with the environment, a batch at a time: drop --max-staleness",
     ),
     "sequence-parallel-above-heads": (
         ["--num-workers", "4", "--sequence-parallel", "4"],

@@ -48,7 +48,7 @@ def test_rows_are_verl_style_held_out_and_scored_by_the_tasks_verifier_in_the_re
     finally:
         pool.close()
     assert scores == [1.0] * 4 + [0.0] * 4 + [1.0] * 2
-    assert metrics == {"reward/errors": 0, "reward/timeouts": 0}
+    assert metrics == {"reward/errors": 0, "reward/timeouts": 0, "reward/unscored": 0}
     assert [extra["answered"] for extra in extras] == [1.0] * 6 + [0.0, 1.0] + [1.0] * 2
 
 

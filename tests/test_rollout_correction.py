@@ -4,12 +4,11 @@ on a small batch with padding and uneven lengths: common/rollout_correction.py, 
 import importlib
 import math
 import statistics
-from pathlib import Path
 
 import pytest
 import torch
 from grpo_hybrid import agg_loss
-from helpers import run_script, stop_in_process
+from helpers import RL_SCRIPTS, run_script, stop_in_process
 
 from common.args import RunArgs
 from common.rollout_correction import (
@@ -27,7 +26,6 @@ from common.rollout_correction import (
 )
 from common.update_metrics import accumulate
 
-SCRIPTS = sorted(path.stem for path in (Path(__file__).parents[1] / "algos").glob("*_hybrid.py"))  # every script
 LN2, LN4 = math.log(2), math.log(4)
 # Three responses of 3, 2 and 4 tokens; log r = log pi_old - log pi_rollout per token. Past each response the engine's
 # log-probs are far off (log r 30), so any use of a padded position shows. Where r is 1/2, 2 or 4 the trainer's
@@ -230,7 +228,7 @@ def test_with_the_engine_equal_to_the_trainer_nothing_changes():
     assert metrics["rollout/ratio_std"] == 0.0 and metrics["rollout/ratio_max"] == 1.0
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", RL_SCRIPTS)
 @pytest.mark.parametrize("rollout_is", ["token", "sequence"])
 def test_each_scripts_loss_with_the_engine_equal_to_the_trainer_is_the_uncorrected_loss(script, rollout_is):
     from common.dataproto import DataProto
@@ -253,7 +251,7 @@ def test_each_scripts_loss_with_the_engine_equal_to_the_trainer_is_the_uncorrect
     assert losses[1] == pytest.approx(losses[0], rel=1e-6)
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", RL_SCRIPTS)
 def test_each_scripts_loss_weighs_each_token_by_its_sequences_weight(script):
     from common.dataproto import DataProto
 
@@ -293,7 +291,7 @@ BAD_THRESHOLDS = ["--model-path", "no-model", "--train-files", "no-file.parquet"
 BAD_THRESHOLDS_MESSAGE = "2 thresholds for the 1 criteria of --rollout-rs 'seq_mean_k3'"
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", RL_SCRIPTS)
 def test_each_script_checks_the_flags_before_any_worker_starts(script, tmp_path, monkeypatch):
     assert BAD_THRESHOLDS_MESSAGE in stop_in_process(f"{script}.py", *BAD_THRESHOLDS, cwd=tmp_path, monkeypatch=monkeypatch)
 

@@ -28,10 +28,10 @@ def test_the_policy_generates_unless_engines_apart_do(demo_files, tokenizer):
 def test_a_resumed_supply_draws_the_prompts_the_run_had_not_reached(demo_files, tokenizer):
     first = supply_of(demo_files, tokenizer)
     first.next_prompts()
-    position = first.data_position()
+    saved = first.checkpoint_state()
     expected = first.next_prompts()
     resumed = supply_of(demo_files, tokenizer)
-    resumed.restore(5, position)
+    resumed.restore(5, saved)
     assert resumed.version == 5
     assert list(resumed.next_prompts()["uid"]) == list(expected["uid"])
     assert not np.array_equal(supply_of(demo_files, tokenizer).next_prompts()["uid"], expected["uid"])

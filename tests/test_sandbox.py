@@ -38,7 +38,7 @@ def test_assert_tests_run_after_the_program():
     result = code_reward("def add(a, b):\n    return a + b\n", truth)
     assert (result["tests_passed"], result["tests"]) == (2, 3)
     spec = "common/sandbox.py:all_tests_reward"
-    all_or_nothing = load_reward_fn(spec)
+    [(_, all_or_nothing)] = load_reward_fn(spec)
     assert all_or_nothing("code", "def add(a, b):\n    return a + b\n", truth, {})["score"] == 0.0
     assert (
         all_or_nothing("code", "def add(a, b):\n    return a + b\n", truth | {"asserts": truth["asserts"][:2]}, {})["score"]

@@ -230,10 +230,11 @@ def test_grpo_tracks_to_wandb_offline_with_the_rewards_own_keys(ray_cluster, dem
 
 def test_malformed_data_stops_before_any_worker(demo_files, tmp_path, monkeypatch):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1="}], "data_source": "addition"}) + "\n")
+    row = {"prompt": [{"role": "user", "content": "1+1="}], "data_source": "addition", "reward_model": {"answer": "2"}}
+    bad.write_text(json.dumps(row) + "\n")
     flags = ["--model-path", demo_files[0], "--train-files", str(bad)]
     stop = stop_in_process("grpo_hybrid.py", *flags, cwd=tmp_path, monkeypatch=monkeypatch)
-    assert "bad.jsonl, row 0: field 'reward_model'" in stop
+    assert "bad.jsonl, row 0: field 'reward_model' must be a dict with a 'ground_truth'" in stop
     assert "PolicyWorker" not in stop
 
 

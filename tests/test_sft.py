@@ -7,6 +7,7 @@ import json
 import pytest
 
 from common.data import DataError
+from common.tools import multiply, read_chat_template
 from common.transcripts import assistant_tokens, collate_transcripts, load_transcripts
 from helpers import metrics_of, run_script
 
@@ -166,9 +167,10 @@ def test_the_multiplication_tools_files(qwen_style, tmp_path):
     a, b = call["function"]["arguments"].values()
     expected = f'<c>multiply{{"a": {a}, "b": {b}}}</c><eos>{a * b}<eos>'
     assert first == qwen_style(expected, add_special_tokens=False)["input_ids"]
-    # Framed in text for a template that drops tools: the call as Qwen2.5 writes it, the result in a user turn.
-    framed = json.loads((tmp_path / "sft_val_framed.jsonl").read_text().splitlines()[0])["messages"]
-    assert [m["role"] for m in framed] == ["system", "user", "assistant", "user", "assistant"]
-    assert "<tools>\n" + json.dumps(get_json_schema(demo.multiply)) + "\n</tools>" in framed[0]["content"]
-    assert framed[2]["content"] == f'<tool_call>\n{{"name": "multiply", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
-    assert framed[3]["content"] == f"<tool_response>\n{a * b}\n</tool_response>" and framed[4]["content"] == str(a * b)
+    # Through the built-in ChatML tool template, for a model whose own drops tools: the call as Qwen2.5 writes it.
+    row = json.loads((tmp_path / "sft_val.jsonl").read_text().splitlines()[0])
+    template = read_chat_template("chatml_tools")
+    text = qwen_style.apply_chat_template(row["messages"], tools=row["tools"], chat_template=template, tokenize=False)
+    assert "<tools>\n" + json.dumps(get_json_schema(multiply)) + "\n</tools>" in text
+    assert f'<tool_call>\n{{"name": "multiply", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>' in text
+    assert f"<tool_response>\n{a * b}\n</tool_response>" in text

@@ -1,4 +1,4 @@
-"""MATH as verl-style parquet: `python examples/data/math.py --out-dir data/math`.
+"""MATH as verl-style parquet: `python examples/data/hendrycks_math.py --out-dir data/math`.
 
 Downloads the MATH competition problems (DigitalLearningGmbH/MATH-lighteval) with
 the `datasets` library and writes train.parquet and test.parquet, scored by the
