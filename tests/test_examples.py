@@ -37,7 +37,7 @@ def test_gsm8k_conversion(tmp_path, tokenizer):
 
 
 def test_math_conversion_and_reward(tmp_path, tokenizer):
-    math = converter("math")
+    math = converter("hendrycks_math")
     converted = [math.convert(row, "test", i) for i, row in enumerate(rows("math"))]
     assert [r["reward_model"]["ground_truth"] for r in converted] == ["\\frac{3}{4}", "3"]
     assert converted[0]["extra_info"]["level"] == "Level 1"
