@@ -37,7 +37,6 @@ class RolloutSupply:
         """The policy's own rollout engine: the one that generates (the hybrid engine), or none with --rollout-workers."""
         args = self.args
         return self._engine_settings() | dict(
-            chat_template=self.tokenizer.chat_template,  # what the exported model's tokenizer keeps
             rollout_engine=None if args.rollout_workers else args.rollout_engine,
             lora_sync=args.lora_sync,
             offload=args.offload,

@@ -191,7 +191,8 @@ class Run:
             rollout = dict(rollout_engine=None, temperature=1.0, use_reference=False)
         else:
             rollout = self.rollouts.policy_settings()
-        rollout |= dict(log_prob_chunk_tokens=self.args.log_prob_chunk_tokens)
+        # the run's chat template (--chat-template), which the exported model's tokenizer keeps
+        rollout |= dict(log_prob_chunk_tokens=self.args.log_prob_chunk_tokens, chat_template=self.tokenizer.chat_template)
         policy = self.workers(PolicyWorker, "policy", **(rollout | settings))
         if not self.supervised:
             self.rollouts.start(policy, self.pool, self.val_loader.dataset)

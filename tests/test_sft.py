@@ -105,9 +105,14 @@ def test_a_template_without_the_prefix_property_is_named(qwen_style, tmp_path):
 def test_sft_learns_and_its_export_starts_grpo(ray_cluster, tiny_model, demo_files, qwen_style, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    model = tmp_path / "model"
+    model, template = tmp_path / "model", tmp_path / "qwen_style.jinja"
     AutoModelForCausalLM.from_pretrained(tiny_model).save_pretrained(model)
-    qwen_style.save_pretrained(model)
+    qwen_style.chat_template = None  # the run's template comes from --chat-template, and its export keeps it
+    try:
+        qwen_style.save_pretrained(model)
+    finally:
+        qwen_style.chat_template = QWEN_STYLE
+    template.write_text(QWEN_STYLE)
     for name, problems in (("train", [(a, b) for a in range(11, 15) for b in range(21, 25)]), ("val", [(17, 31), (19, 28)])):
         rows = [json.dumps({"messages": transcript(a, b), "tools": TOOLS}) for a, b in problems]
         (tmp_path / f"{name}.jsonl").write_text("\n".join(rows) + "\n")
@@ -116,8 +121,8 @@ def test_sft_learns_and_its_export_starts_grpo(ray_cluster, tiny_model, demo_fil
     data = ["--train-files", str(tmp_path / "train.jsonl"), "--val-files", str(tmp_path / "val.jsonl")]
     (tmp_path / "sft").mkdir()
     sft = run_script(
-        "sft_hybrid.py", "--model-path", str(model), *data, *sizes, *flags, "--lr", "3e-3", "--num-workers", "2",
-        cwd=tmp_path / "sft",
+        "sft_hybrid.py", "--model-path", str(model), "--chat-template", str(template), *data, *sizes, *flags, "--lr", "3e-3",
+        "--num-workers", "2", cwd=tmp_path / "sft",
     )  # fmt: skip
     assert sft.returncode == 0, sft.stderr[-3000:]
     run_dir, rows = metrics_of(tmp_path / "sft")
@@ -125,6 +130,7 @@ def test_sft_learns_and_its_export_starts_grpo(ray_cluster, tiny_model, demo_fil
     assert len(losses) == 6 and losses[-1] < 0.5 * losses[0], losses
     assert rows[-1]["val/loss"] < 0.5 * rows[0]["val/loss"], (rows[0], rows[-1])
     assert "held-out loss" in sft.stdout
+    assert (run_dir / "model" / "chat_template.jinja").read_text() == QWEN_STYLE
 
     (tmp_path / "grpo").mkdir()
     rl = ["--train-files", demo_files[1], "--total-steps", "1", "--train-batch-size", "4", "--mini-batch-size", "4"]
