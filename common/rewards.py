@@ -7,7 +7,6 @@ A reward function has verl's signature, `fn(data_source, solution_str, ground_tr
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import math
 import numbers
@@ -19,7 +18,7 @@ from collections import defaultdict
 from statistics import fmean
 from typing import TYPE_CHECKING
 
-from common.isolation import REPORTED_FAILURES, CallKind, UserCodeError
+from common.isolation import REPORTED_FAILURES, CallKind, UserCodeError, load_user_file
 from common.sandbox import code_reward
 
 if TYPE_CHECKING:
@@ -143,9 +142,7 @@ def load_function(part: str, spec: str) -> tuple:
         raise ValueError(f"--reward-fn '{spec}': write each function as path/to/file.py:function_name, commas between")
     if not os.path.isfile(path):
         raise ValueError(f"--reward-fn '{spec}': no file {path}")
-    module_spec = importlib.util.spec_from_file_location(f"user_reward_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    module = load_user_file(path)
     if not callable(getattr(module, name, None)):
         raise ValueError(f"--reward-fn '{spec}': {path} defines no function '{name}'")
     return name, getattr(module, name)
