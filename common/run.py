@@ -107,8 +107,9 @@ class Run:
         script = sys.argv[0] if sys.argv[0].endswith(".py") else None
         # the code that made the curve, and in wandb the experiment's group with the algorithm as a tag
         provenance = dict(script=script, group=args.exp_name, tags=(self.algo,))
-        config, runs_dir = dataclasses.asdict(args), args.runs_dir
-        self.tracker = Tracker(self.run_prefix, config, self.resume_from, **wandb, runs_dir=runs_dir, **provenance)
+        self.tracker = Tracker(
+            self.run_prefix, dataclasses.asdict(args), self.resume_from, **wandb, runs_dir=args.runs_dir, **provenance
+        )
         start_console(self.tracker.run_dir)  # the console a person reads; all of it in the run's folder
 
         reward_workers = args.reward_workers
@@ -122,8 +123,9 @@ class Run:
             self.train_batches = self.train_loader.forever()
         else:
             self.scorer.start(self.pool, reward_workers)
-            supply = (self.tokenizer, self.eos_token_ids, self.train_loader, environments, reward_workers)
-            self.rollouts = RolloutSupply(args, *supply)
+            self.rollouts = RolloutSupply(
+                args, self.tokenizer, self.eos_token_ids, self.train_loader, environments, reward_workers
+            )
         self.groups = {}
         self.start_step, self.first_val, self.last_val, self.bad_steps = 1, None, None, 0
         self.resumed, self.stop, self.step_start, self.postfix, self.last_step = False, None, 0.0, {}, 0
@@ -380,6 +382,7 @@ class Run:
 
     def finish(self) -> None:
         """Report, export the policy (unless stopped early), and release the workers."""
+
         def shown(val: dict) -> str:
             return f"{val['val/loss']:.4f}" if self.supervised else f"{val['val/accuracy']:.1%}"
 
