@@ -116,6 +116,29 @@ def kill_when(started: float, process, actor: str, method: str | None) -> None:
     raise TimeoutError(f"no actor titled {title}")
 
 
+def kill_in_the_update_after(started: float, process, run_dir: Path, step: int) -> None:
+    """SIGKILL the run's driver (`process`) in the update of step `step` + 1: the policy worker is paused (SIGSTOP) at
+    each update it starts until the metrics hold `step` rows, so the run cannot get past that step, however late this
+    test looks, and no checkpoint after step `step` can be written."""
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        for worker in [p for p in ray_workers(started) if title_of(p) == "ray::PolicyWorker.update"]:
+            worker.suspend()
+            logged = (run_dir / "metrics.jsonl").read_text().count("\n")
+            if logged == step:
+                process.kill()
+                process.communicate(timeout=60)
+                worker.kill()
+                return
+            assert logged < step, f"the update of step {logged + 1} went unseen"
+            worker.resume()
+            while title_of(worker) == "ray::PolicyWorker.update":
+                time.sleep(0.001)
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        time.sleep(0.001)
+    raise TimeoutError(f"no update after step {step}")
+
+
 def continue_as_told(stderr: str, cwd, uninterrupted) -> None:
     """Check the message, run the command it gives, and compare the run's end with the uninterrupted one's."""
     [checkpoint] = re.findall(r"the last complete checkpoint is (\S+/checkpoints/step_\d+) \(step \d+\)", stderr)
@@ -200,8 +223,8 @@ def test_an_asynchronous_run_stopped_by_sigterm_then_killed_resumes_as_if_never_
                                                                                         algo):  # fmt: skip
     """An asynchronous run (the engine a step ahead) stopped by SIGTERM after its first step saves the batch the engine
     had generated and no step trained on, with the engine's randomness; its resume, killed with SIGKILL once it logged
-    step 5, resumes again from its last checkpoint, step 4 (saved every second step): step 5 runs again. Each piece trains
-    on exactly what the run never interrupted trains on: its metrics and weights, to the bit."""
+    step 5 (in step 6's update), resumes again from its last checkpoint, step 4 (saved every second step): step 5 runs
+    again. Each piece trains on exactly what the run never interrupted trains on: its metrics and weights, to the bit."""
     flags = [*TINY, *ASYNC, "--total-steps", "6", "--save-freq", "2", "--keep-last", "1"]
     (tmp_path / "straight").mkdir()
     straight = run_to_the_end(tmp_path / "straight", algo, *flags[len(TINY) :], steps=[])
@@ -215,10 +238,9 @@ def test_an_asynchronous_run_stopped_by_sigterm_then_killed_resumes_as_if_never_
     [checkpoint] = complete_checkpoints(run_dir)
     stopped_at = int(checkpoint.name.removeprefix("step_"))
     assert stopped_at < 4 and torch.load(checkpoint / "driver.pt", weights_only=False)["in_flight"]
+    started = time.time()
     process = start_script(f"{algo}_hybrid.py", *flags, "--resume", "auto", cwd=cwd)
-    wait_for_steps(cwd, 5, process)
-    process.kill()
-    process.communicate(timeout=60)
+    kill_in_the_update_after(started, process, run_dir, 5)
     [checkpoint] = complete_checkpoints(run_dir)
     assert checkpoint.name == "step_4"  # step 5 is logged, and runs again
     continues(shlex.join(process.args), str(checkpoint.resolve()), cwd, straight)
