@@ -220,7 +220,7 @@ if __name__ == "__main__":
     from common.rollout_correction import rejection_mask, rollout_diagnostics
     from common.run import Run
     from common.tracking import timer
-    from common.workers import CriticWorker
+    from common.workers.critic import CriticWorker
 
     args = tyro.cli(Args)
     if args.model_path is None or not args.train_files:

@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.attention import register, runs_flex  # noqa: E402
 from common.dataproto import DataProto  # noqa: E402
-from common.layouts import response_log_probs, response_outputs  # noqa: E402
+from common.layouts import response_outputs  # noqa: E402
+from common.log_probs import response_log_probs  # noqa: E402
 from common.memory import peak_memory_gb, reset_peak_memory  # noqa: E402
 from common.sequence_parallel import register as register_sequence_parallel  # noqa: E402
 

@@ -27,7 +27,7 @@ import ray
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from common.run import start_local_ray  # noqa: E402
+from common.worker_group import start_local_ray  # noqa: E402
 
 STEP_METHODS = ("generate", "compute_log_prob", "compute_ref_log_prob", "update")
 

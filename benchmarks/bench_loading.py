@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import tyro
 
 from common.pretrained import cache_root, resolve
-from common.workers import PolicyWorker
+from common.workers.policy import PolicyWorker
 
 RANDOM_MODELS = {
     "qwen2.5-1.5b-shape": {
@@ -64,7 +64,7 @@ class StartupPeak(PolicyWorker):
 
 
 if __name__ == "__main__":
-    from common.run import start_local_ray
+    from common.worker_group import start_local_ray
     from common.worker_group import ResourcePool, WorkerGroup
 
     args = tyro.cli(Args)

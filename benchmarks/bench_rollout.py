@@ -31,10 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.dataproto import DataProto  # noqa: E402
-from common.run import init_ray  # noqa: E402
+from common.worker_group import init_ray  # noqa: E402
 from common.weight_sync import engine_adapter  # noqa: E402
 from common.worker_group import ResourcePool, WorkerGroup  # noqa: E402
-from common.workers import PolicyWorker  # noqa: E402
+from common.workers.policy import PolicyWorker  # noqa: E402
 
 VOCAB = 32000
 

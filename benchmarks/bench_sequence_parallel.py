@@ -18,7 +18,7 @@ from bench_memory import measure, sequences  # bench_memory puts the repository 
 
 from common.fsdp_worker import compute_dtype_for
 from common.pretrained import resolve
-from common.run import init_ray
+from common.worker_group import init_ray
 from common.worker_group import ResourcePool
 
 

@@ -7,7 +7,7 @@ process and without Ray:
 - the same at prime-rl's shape: micro-batches of 16k tokens packed from sequences of 256 to 4,096 tokens (mixed
   lengths, as an RL batch has them), with and without activation checkpointing (prime-rl recomputes activations);
 - the hf engine's generation throughput, generated tokens a second, at 8, 64 and 256 sequences;
-- the peak GPU memory of each (common/workers.measured, the runs' perf/peak_memory_gb);
+- the peak GPU memory of each (common/memory.measured, the runs' perf/peak_memory_gb);
 
 then the quick start as typed, `python algos/grpo_hybrid.py`, under Ray on the one GPU for a few steps (where Ray is
 installed); as one table, with the GPU's name, torch's version, the attention kernel and the micro-batches' layout.
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "algos"))
 
 import grpo_hybrid  # noqa: E402
 from common.dataproto import DataProto  # noqa: E402
-from common.workers import PolicyWorker  # noqa: E402
+from common.workers.policy import PolicyWorker  # noqa: E402
 
 QWEN3_06B = ROOT / "benchmarks" / "configs" / "qwen3-0.6b.json"
 # Dense bf16 tensor-core peaks (TFLOP/s) from the datasheets, by a part of the name torch reports; the first match wins.

@@ -4,7 +4,7 @@ Both live inside the policy worker's process and generate from the policy
 as it is at that moment, returning the responses and each sampled token's
 log-prob under the engine's own numerics (what TIS corrects for). With
 --rollout-workers they live in processes of their own instead
-(common.workers.RolloutWorker) and generate from the weights last sent to
+(common/workers/rollout.py) and generate from the weights last sent to
 them: `HFRollout` on a whole model, `VLLMRollout` without a policy.
 
 `HFRollout` runs transformers' generate on the training policy itself.
@@ -19,6 +19,8 @@ receives the policy's (all of them, or just the LoRA adapter), then wakes its
 KV cache; after generation it sleeps again. vLLM's CPU backend has no sleep
 mode, so there the engine stays awake: its copy of the weights and its KV
 cache stay in memory while the policy trains.
+
+`EngineWorker` is what every worker with an engine in its process is (the policy's, the judge's, a rollout worker).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ import torch
 
 from common import weight_sync
 from common.dataproto import DataProto
-from common.memory import machine_memory_bytes
+from common.memory import machine_memory_bytes, measured
+from common.worker_group import Worker
 
 # The maximum LoRA ranks vLLM accepts; an adapter of a smaller rank is served in the next one up.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -473,3 +476,33 @@ def response_batch(prompts, prompt_mask, responses, log_probs, max_response_leng
             "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
         }
     ).to("cpu")
+
+
+class EngineWorker(Worker):
+    """A worker with a rollout engine in its process (`self.rollout`, common/rollout.py) that generates from it."""
+
+    def engine_placement(self, master) -> dict:
+        """Where this worker's vLLM engine sits: its rank in the worker's group, whose rendezvous is `master`, and its
+        device."""
+        return dict(rank=self.rank, world_size=self.world_size, master=master, on_gpu=self.device.type == "cuda")
+
+    @measured
+    @torch.no_grad()
+    def generate(
+        self,
+        data: DataProto,
+        max_response_length: int,
+        do_sample: bool = True,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_strings: list[str] | None = None,
+    ) -> DataProto:
+        """Sample (or greedily decode) one response per left-padded prompt, each ending at EOS, at the token that
+        completes one of `stop_strings` (padded after it) or after `max_response_length` tokens; see
+        rollout.response_batch for what returns."""
+        prompts, prompt_mask = data["prompts"].to(self.device), data["prompt_mask"].to(self.device)
+        sampling = dict(do_sample=do_sample, temperature=self.temperature, top_p=top_p, top_k=top_k, stop_strings=stop_strings)
+        responses, log_probs = self.rollout.generate(prompts, prompt_mask, max_response_length, **sampling)
+        return response_batch(
+            prompts, prompt_mask, responses, log_probs, max_response_length, self.eos_token_ids, self.pad_token_id
+        )

@@ -25,7 +25,7 @@ import time
 
 from common.args import RunArgs, check_args, flag, load_tokenizer, worker_micro_batch_tokens
 
-__all__ = ["Run", "RunArgs", "flag", "init_ray"]  # RunArgs and flag are the scripts' to import from here too
+__all__ = ["Run", "RunArgs", "flag"]  # RunArgs and flag are the scripts' to import from here too
 
 
 class Run:
@@ -133,7 +133,7 @@ class Run:
 
     def _start_pool(self, max_colocated: int):
         """Ray, and one bundle per policy worker on its accelerators, shared by `max_colocated` worker groups."""
-        from common.worker_group import ResourcePool
+        from common.worker_group import ResourcePool, init_ray
 
         args = self.args
         init_ray()
@@ -187,7 +187,7 @@ class Run:
     def policy(self, **settings):
         """The hybrid engine's group: the policy that trains, generates (unless --rollout-workers do), and (with LoRA)
         scores the reference."""
-        from common.workers import PolicyWorker
+        from common.workers.policy import PolicyWorker
 
         if self.supervised:  # no engine; the log-probs of the data at temperature 1
             rollout = dict(rollout_engine=None, temperature=1.0, use_reference=False)
@@ -436,48 +436,3 @@ def resume_command() -> str:
         at = argv.index("--resume")
         del argv[at : at + 2]
     return shlex.join([*(arg for arg in argv if not arg.startswith("--resume=")), "--resume", "auto"])
-
-
-# The environment every Ray worker of a run starts with
-RAY_RUNTIME_ENV = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
-
-
-def start_local_ray(num_cpus: int | None = None) -> None:
-    """A Ray instance on this machine, as a script starts one for itself: no dashboard and no metrics. No one reads
-    metrics there, and the exporter's thread in every Ray process is one more way to crash it: a SIGSEGV in
-    OpenTelemetry's periodic reader, in a Ray worker, once failed a run of the test suite. Both settings are needed:
-    with OpenTelemetry on, its exporter runs whatever enable_metrics_collection says. Ray's processes read them from
-    the environment they start with; RAY_enable_open_telemetry=1 RAY_enable_metrics_collection=1 turn them back on."""
-    import ray
-
-    os.environ.setdefault("RAY_enable_open_telemetry", "0")
-    os.environ.setdefault("RAY_enable_metrics_collection", "0")
-    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=RAY_RUNTIME_ENV)
-
-
-def init_ray() -> None:
-    """Join the cluster named by RAY_ADDRESS (multi-node), else start a local one."""
-    address = os.environ.get("RAY_ADDRESS")
-    if address:
-        # A driver must use the cluster's authentication mode. Take the one `ray start` takes on this machine: token
-        # authentication when a token exists (any local Ray of 2.59 or later leaves one in ~/.ray/auth_token), unless
-        # RAY_AUTH_MODE says otherwise. Ray reads the mode when it is imported, hence before the import.
-        token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
-        if os.environ.get("RAY_AUTH_TOKEN") or os.path.isfile(token_file):
-            os.environ.setdefault("RAY_AUTH_MODE", "token")
-    import ray
-
-    if ray.is_initialized():
-        return
-    if not address:
-        start_local_ray()
-        return
-    try:
-        ray.init(address=address, runtime_env=RAY_RUNTIME_ENV)
-    except ConnectionError as error:
-        mode = os.environ.get("RAY_AUTH_MODE", "disabled")
-        raise ConnectionError(
-            f"could not join the Ray cluster at RAY_ADDRESS={address} with RAY_AUTH_MODE={mode}. Is the head node "
-            "up at that address? A cluster started with token authentication needs RAY_AUTH_MODE=token and its token "
-            "(~/.ray/auth_token, or RAY_AUTH_TOKEN); one started without needs RAY_AUTH_MODE=disabled"
-        ) from error

@@ -6,7 +6,8 @@ every rank at once: a collective inside a method deadlocks if ranks are called
 one after another. Without a pool, the group is one worker inside the
 driver's own process (no Ray): `breakpoint()` anywhere then stops in the
 user's terminal, and Ray need not be installed (this module imports it only
-where a group has Ray actors).
+where a group has Ray actors). A script's Ray starts here too (init_ray): it
+joins the cluster that RAY_ADDRESS names, or starts one on this machine.
 
 The driver waits for no call without end: a rank that dies is named at once
 (WorkerDied), and one whose process stays up but gives no answer within a
@@ -160,6 +161,51 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+# The environment every Ray worker of a run starts with
+RAY_RUNTIME_ENV = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
+
+
+def start_local_ray(num_cpus: int | None = None) -> None:
+    """A Ray instance on this machine, as a script starts one for itself: no dashboard and no metrics. No one reads
+    metrics there, and the exporter's thread in every Ray process is one more way to crash it: a SIGSEGV in
+    OpenTelemetry's periodic reader, in a Ray worker, once failed a run of the test suite. Both settings are needed:
+    with OpenTelemetry on, its exporter runs whatever enable_metrics_collection says. Ray's processes read them from
+    the environment they start with; RAY_enable_open_telemetry=1 RAY_enable_metrics_collection=1 turn them back on."""
+    import ray
+
+    os.environ.setdefault("RAY_enable_open_telemetry", "0")
+    os.environ.setdefault("RAY_enable_metrics_collection", "0")
+    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=RAY_RUNTIME_ENV)
+
+
+def init_ray() -> None:
+    """Join the cluster named by RAY_ADDRESS (multi-node), else start a local one."""
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        # A driver must use the cluster's authentication mode. Take the one `ray start` takes on this machine: token
+        # authentication when a token exists (any local Ray of 2.59 or later leaves one in ~/.ray/auth_token), unless
+        # RAY_AUTH_MODE says otherwise. Ray reads the mode when it is imported, hence before the import.
+        token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+        if os.environ.get("RAY_AUTH_TOKEN") or os.path.isfile(token_file):
+            os.environ.setdefault("RAY_AUTH_MODE", "token")
+    import ray
+
+    if ray.is_initialized():
+        return
+    if not address:
+        start_local_ray()
+        return
+    try:
+        ray.init(address=address, runtime_env=RAY_RUNTIME_ENV)
+    except ConnectionError as error:
+        mode = os.environ.get("RAY_AUTH_MODE", "disabled")
+        raise ConnectionError(
+            f"could not join the Ray cluster at RAY_ADDRESS={address} with RAY_AUTH_MODE={mode}. Is the head node "
+            "up at that address? A cluster started with token authentication needs RAY_AUTH_MODE=token and its token "
+            "(~/.ray/auth_token, or RAY_AUTH_TOKEN); one started without needs RAY_AUTH_MODE=disabled"
+        ) from error
 
 
 class Worker:

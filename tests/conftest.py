@@ -43,7 +43,7 @@ def ray_cluster(tmp_path_factory):
 
     import ray
 
-    from common.run import start_local_ray
+    from common.worker_group import start_local_ray
 
     folder = tmp_path_factory.mktemp("worker_template")
     template, launcher, log = folder / "socket", folder / "python", folder / "log"

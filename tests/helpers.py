@@ -29,9 +29,11 @@ from common.attention import register as register_flex
 from common.attention import register_varlen
 from common.dataproto import DataProto
 from common.envs import Environments, run_episodes
-from common.layouts import response_log_probs, response_outputs, rows_of
+from common.layouts import response_outputs, rows_of
+from common.log_probs import response_log_probs
 from common.memory import measured
-from common.workers import CriticWorker, PolicyWorker
+from common.workers.critic import CriticWorker
+from common.workers.policy import PolicyWorker
 
 # The probes travel to the workers by value: the workers have no tests folder to import them from.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -213,12 +215,12 @@ def stop_in_process(script: str, *flags, cwd, monkeypatch) -> str:
     """Run algos/`script` in this process as `python algos/script FLAGS` would (no interpreter to start, its imports
     already made), expecting it to stop on bad input before it starts Ray: the error with its traceback, and what it
     wrote to stderr. Where it would start Ray instead, the test fails."""
-    import common.run
+    import common.worker_group
 
     def no_ray():
         raise AssertionError(f"{script} {' '.join(flags)} got as far as starting Ray")
 
-    monkeypatch.setattr(common.run, "init_ray", no_ray)
+    monkeypatch.setattr(common.worker_group, "init_ray", no_ray)
     monkeypatch.setattr(sys, "argv", [str(ROOT / "algos" / script), *flags])
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # a Run sets its own
     monkeypatch.chdir(cwd)

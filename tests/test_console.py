@@ -14,7 +14,7 @@ import logging, sys, time, warnings
 from pathlib import Path
 import ray
 from common.console import start_console
-from common.run import init_ray
+from common.worker_group import init_ray
 
 init_ray()
 start_console(Path(sys.argv[1]))

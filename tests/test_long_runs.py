@@ -18,7 +18,7 @@ from common.dataproto import DataProto
 from common.isolation import InProcessCalls
 from common.rewards import REWARD_CALLS, score
 from common.worker_group import WorkerDied, WorkerGroup
-from common.workers import PolicyWorker
+from common.workers.policy import PolicyWorker
 from helpers import ROOT, TINY, PolicyProbe, comparable, metric_rows, run_script, start_script, stop_in_process, wait_for_steps
 
 

@@ -9,20 +9,17 @@ import torch
 from helpers import uneven_batch
 
 from common.layouts import (
-    Entropy,
     balanced_parts,
-    chunked_log_probs,
-    head_outputs_pass_through,
     pack_rows,
     packing_gap,
     part_loads,
-    response_log_probs,
     response_outputs,
     rows_of,
     same_prompts,
     shared_prompt_mask,
     shared_prompt_places,
 )
+from common.log_probs import Entropy, chunked_log_probs, head_outputs_pass_through, response_log_probs
 
 
 @pytest.mark.parametrize("packing", ["rows", "one row", "shared prompts"])

@@ -19,7 +19,7 @@ from common.checkpoint import complete_checkpoints
 from common.rollout_correction import check_probe
 from common.weight_sync import engine_weights, send_tensors
 from common.worker_group import ResourcePool, WorkerGroup, wait_all
-from common.workers import RolloutWorker
+from common.workers.rollout import RolloutWorker
 from helpers import (
     FP32_GAP,
     LOG_PROB_INPUTS,

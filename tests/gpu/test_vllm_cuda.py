@@ -20,7 +20,7 @@ from ray import cloudpickle  # noqa: E402
 import grpo_hybrid  # noqa: E402
 from common.data import collate, load_prompts  # noqa: E402
 from common.worker_group import ResourcePool, WorkerGroup  # noqa: E402
-from common.workers import PolicyWorker  # noqa: E402
+from common.workers.policy import PolicyWorker  # noqa: E402
 
 cloudpickle.register_pickle_by_value(grpo_hybrid)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
