@@ -128,10 +128,10 @@ def actor_loss(batch, outputs, minibatch_tokens, minibatch_seqs, args: Args):
     # Without an old-log-prob pass the policy before this update is this one: its log-probs held constant are pi_old.
     old_log_prob = batch["old_log_probs"] if "old_log_probs" in batch else log_prob.detach()
     is_weights = loss_weights(batch, old_log_prob, args)  # --rollout-is: pi_old / pi_rollout for the engine's samples
-    clip = (args.clip_ratio_low, args.clip_ratio_high)
     pg_loss, metrics = compute_policy_loss(
-        old_log_prob, log_prob, batch["advantages"], mask, *clip, args.loss_agg_mode, *counts, is_weights
-    )
+        old_log_prob, log_prob, batch["advantages"], mask, clip_low=args.clip_ratio_low, clip_high=args.clip_ratio_high,
+        agg_mode=args.loss_agg_mode, num_tokens=minibatch_tokens, num_seqs=minibatch_seqs, is_weights=is_weights,
+    )  # fmt: skip
     metrics |= update_terms(batch, old_log_prob, entropy, *counts, args)  # what a skipped old-log-prob pass measures
     loss = pg_loss - args.entropy_coef * aggregate(entropy)
     metrics["pg_loss"] = pg_loss.detach()
@@ -144,9 +144,10 @@ def actor_loss(batch, outputs, minibatch_tokens, minibatch_seqs, args: Args):
 
 if __name__ == "__main__":
     from common import demo
-    from common.rollout_correction import rejection_mask, rollout_diagnostics
+    from common.rollout_correction import rejection_mask, rollout_diagnostics, update_figures
     from common.run import Run
     from common.tracking import timer
+    from common.workers.policy import LOG_PROB_INPUTS
 
     args = tyro.cli(Args)
     if args.model_path is None or not args.train_files:
@@ -161,9 +162,8 @@ if __name__ == "__main__":
         )
     run = Run(args)
     policy = run.policy(use_reference=args.kl_loss_coef > 0)
-    log_prob_inputs = ("input_ids", "attention_mask", "position_ids", "responses")
     old_log_prob_pass = needs_old_log_prob_pass(args)
-    update_inputs = [*log_prob_inputs, "response_mask", "advantages", "rollout_log_probs"]
+    update_inputs = [*LOG_PROB_INPUTS, "response_mask", "advantages", "rollout_log_probs"]
     if old_log_prob_pass:
         update_inputs.append("old_log_probs")
     if args.kl_loss_coef > 0:
@@ -184,10 +184,10 @@ if __name__ == "__main__":
         # 3. Log-probs of the sampled tokens under the policy that sampled them, and under the reference.
         if old_log_prob_pass:
             with timer("old_log_prob", metrics):
-                batch |= policy.scatter("compute_log_prob", batch.select(*log_prob_inputs))
+                batch |= policy.scatter("compute_log_prob", batch.select(*LOG_PROB_INPUTS))
         if args.kl_loss_coef > 0:
             with timer("ref_log_prob", metrics):
-                batch |= policy.scatter("compute_ref_log_prob", batch.select(*log_prob_inputs))
+                batch |= policy.scatter("compute_ref_log_prob", batch.select(*LOG_PROB_INPUTS))
 
         # 4. GRPO's advantage: the response's score relative to its group, the same for each of its tokens.
         with timer("advantages", metrics):
@@ -199,10 +199,9 @@ if __name__ == "__main__":
         with timer("update", metrics):
             update_batch = batch.select(*update_inputs)
             update_batch["response_mask"] = update_mask
-            actor_metrics = policy.scatter("update", update_batch, loss_fn=partial(actor_loss, args=args))[0]
+            update = policy.update(update_batch, partial(actor_loss, args=args))
         # The engine's gap (too large: the run stops) and the off-policy diagnostics, measured by the pass or the update
-        metrics |= rollout_diagnostics(batch, update_mask, actor_metrics, args)
-        metrics |= {f"actor/{key}": value for key, value in actor_metrics.items()}
+        metrics |= rollout_diagnostics(batch, update_mask, update, args) | update_figures(update, "actor/")
         run.end_step(step, batch, scores, metrics)
 
     run.finish()

@@ -66,8 +66,8 @@ if __name__ == "__main__":
 
         # 2. One pass of gradient steps on them: the update's loss is this script's sft_loss.
         with timer("update", metrics):
-            actor_metrics = policy.scatter("update", batch.select(*update_inputs), loss_fn=sft_loss)[0]
-        metrics |= {f"actor/{key}": value for key, value in actor_metrics.items()}
+            update = policy.update(batch.select(*update_inputs), sft_loss)
+        metrics |= {f"actor/{key}": value for key, value in update.items()}
         run.end_step(step, batch, None, metrics)
 
     run.finish()

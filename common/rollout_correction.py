@@ -228,8 +228,9 @@ def update_terms(batch, old_log_prob, entropy, num_tokens, num_seqs, args) -> di
 
 def rollout_diagnostics(batch, update_mask: torch.Tensor, update: dict, args) -> dict:
     """The step's gap and diagnostics, whether or not the old-log-prob pass ran: from the pass's log-probs in `batch`
-    (`update_mask`: what rejection left), or from the terms that the update returned (popped from `update`). The gap
-    stops the run when the engine holds other weights than the policy's (check_rollout_gap)."""
+    (`update_mask`: what rejection left), or from the terms that the update returned (read from `update`, which keeps
+    them: update_figures leaves them out). The gap stops the run when the engine holds other weights than the
+    policy's (check_rollout_gap)."""
     bound = args.max_rollout_logprob_diff
     if "old_log_probs" in batch:
         old_log_prob, rollout_log_prob, mask = batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]
@@ -238,7 +239,14 @@ def rollout_diagnostics(batch, update_mask: torch.Tensor, update: dict, args) ->
             rollout_corr_terms(old_log_prob, rollout_log_prob, mask, update_mask, *correction)
         )
     gap = rollout_gap_of_update(update, batch["staleness"], bound)
-    return gap | rollout_corr_metrics({key: update.pop(key) for key in list(update) if key.startswith(ROLLOUT_CORR)})
+    return gap | rollout_corr_metrics({key: value for key, value in update.items() if key.startswith(ROLLOUT_CORR)})
+
+
+def update_figures(update: dict, prefix: str) -> dict:
+    """The update's own figures under `prefix` (actor/): all but the terms it measured for rollout_diagnostics in place
+    of the old-log-prob pass (update_terms)."""
+    terms = (ROLLOUT_CORR, ROLLOUT_LOGPROB_DIFF)
+    return {prefix + key: value for key, value in update.items() if not key.startswith(terms)}
 
 
 def rollout_logprob_gap(batch, bound: float) -> dict:
@@ -255,9 +263,9 @@ def rollout_logprob_gap(batch, bound: float) -> dict:
 
 
 def rollout_gap_of_update(update: dict, staleness: torch.Tensor, bound: float) -> dict:
-    """rollout_logprob_gap's figures where the update measured them (rollout_gap_terms, popped from `update`). The gap
+    """rollout_logprob_gap's figures where the update measured them (rollout_gap_terms, read from `update`). The gap
     is checked only when every sample came from the weights the trainer holds (`staleness` 0)."""
-    gap, gap_max = update.pop(ROLLOUT_LOGPROB_DIFF), update.pop(ROLLOUT_LOGPROB_DIFF_MAX)
+    gap, gap_max = update[ROLLOUT_LOGPROB_DIFF], update[ROLLOUT_LOGPROB_DIFF_MAX]
     if staleness.max() == 0:
         check_rollout_gap(gap, bound)
     return {"rollout/logprob_diff_mean": gap, "rollout/logprob_diff_max": gap_max}

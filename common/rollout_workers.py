@@ -20,9 +20,8 @@ from common.memory import record_peak_memory
 from common.rollout import response_batch
 from common.rollout_correction import check_probe
 from common.worker_group import Pending, ResourcePool, WorkerGroup, wait_all
+from common.workers.policy import LOG_PROB_INPUTS
 from common.workers.rollout import RolloutWorker
-
-LOG_PROB_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
 
 
 class SplitEngines:

@@ -399,6 +399,11 @@ class WorkerGroup:
         """
         return self.submit_scatter(method, data, **kwargs).result()
 
+    def update(self, data: DataProto, loss_fn) -> dict:
+        """scatter `update` (FSDPWorker._update) with the script's `loss_fn`: the update's figures, which the ranks
+        all-reduced alike (but for each rank's memory budget: rank 0's)."""
+        return self.scatter("update", data, loss_fn=loss_fn)[0]
+
     def submit_scatter(self, method: str, data: DataProto, **kwargs) -> Pending:
         """scatter without waiting for it: the ranks start now, and the result is reassembled when asked for."""
         copies = self.sequence_parallel if method in self.sequence_parallel_methods else 1

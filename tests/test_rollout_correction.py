@@ -322,7 +322,7 @@ def test_the_steps_diagnostics_are_the_same_with_or_without_the_pass():
     """rollout_diagnostics reads the pass's log-probs from the batch, or the terms that the update measured instead
     (update_terms, the shares of two micro-batches added up as the worker does); rejection_mask rejects from the pass's."""
     from common.dataproto import DataProto
-    from common.rollout_correction import rejection_mask, rollout_diagnostics, update_terms
+    from common.rollout_correction import rejection_mask, rollout_diagnostics, update_figures, update_terms
 
     args = RunArgs(rollout_is="token", max_rollout_logprob_diff=0.0)  # the gaps here are the test's, not a stale engine
     staleness = torch.zeros(3, dtype=torch.long)
@@ -341,6 +341,8 @@ def test_the_steps_diagnostics_are_the_same_with_or_without_the_pass():
         for key, value in update_terms(micro_batch, OLD[rows], entropy, MASK.sum(), 3, args).items():
             accumulate(update, key, float(value))
     assert update_terms(passed, OLD, torch.zeros_like(MASK), MASK.sum(), 3, args) == {}  # the driver measures them
-    from_update = rollout_diagnostics(passed.select("response_mask", "rollout_log_probs", "staleness"), MASK, update, args)
+    skipped = passed.select("response_mask", "rollout_log_probs", "staleness")
+    from_update = rollout_diagnostics(skipped, MASK, update, args)
     assert from_update == pytest.approx(from_pass, rel=1e-5)
-    assert set(update) == {"entropy"}  # the diagnostics' terms were taken out of the update's figures
+    assert rollout_diagnostics(skipped, MASK, update, args) == from_update  # read, not taken out: the same twice
+    assert update_figures(update, "actor/") == {"actor/entropy": update["entropy"]}  # the terms are the diagnostics'

@@ -20,6 +20,8 @@ from common.log_probs import chunked_log_probs, head_outputs_pass_through, respo
 from common.memory import measured
 from common.rollout import EngineWorker, HFRollout, VLLMRollout, eos_token_ids
 
+LOG_PROB_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
+"""what the log-prob passes (compute_log_prob, compute_ref_log_prob, the critic's compute_values) read of a batch"""
 
 class PolicyWorker(FSDPWorker, EngineWorker):
     """The hybrid engine: trainable policy, rollout engine and reference in one process."""
