@@ -322,6 +322,7 @@ def run_episodes(policy, batch, env_calls, environments, tokenizer, eos_token_id
 
     from common.data import collate
     from common.dataproto import DataProto
+    from common.rollout import response_tensors
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
     frame = AnswerFraming(tokenizer)
@@ -411,17 +412,9 @@ def run_episodes(policy, batch, env_calls, environments, tokenizer, eos_token_id
         own[i, : len(episode.own)] = torch.tensor(episode.own, dtype=torch.float)
         log_probs[i, : len(episode.log_probs)] = torch.tensor(episode.log_probs)
     # every token of the episode attends and is read; the model's own are the ones the losses count
-    real = (torch.arange(max_response_length) < torch.tensor([len(e.tokens) for e in episodes])[:, None]).long()
-    attention_mask = torch.cat([batch["prompt_mask"], real], dim=-1)
+    real = torch.arange(max_response_length) < torch.tensor([len(e.tokens) for e in episodes])[:, None]
     return DataProto.from_dict(
-        {
-            "responses": responses,
-            "response_mask": own,
-            "rollout_log_probs": log_probs * own,
-            "input_ids": torch.cat([batch["prompts"], responses], dim=-1),
-            "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-        },
+        response_tensors(batch["prompts"], batch["prompt_mask"], responses, own, log_probs, attends=real),
         {
             "final_turn": [e.last_turn for e in episodes],
             "episode_score": [e.score for e in episodes],

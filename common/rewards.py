@@ -22,8 +22,6 @@ from common.isolation import REPORTED_FAILURES, CallKind, UserCodeError, load_us
 from common.sandbox import code_reward
 
 if TYPE_CHECKING:
-    import torch
-
     from common.dataproto import DataProto
 
 
@@ -223,16 +221,6 @@ def call_reward(reward_fn, data_source, solution_str, ground_truth, extra_info, 
         return "ok", values, extras
     except (Exception, SystemExit) as error:  # sys.exit() in a reward must not end the run quietly
         return "error", type(error).__name__, traceback.format_exc()
-
-
-def score(
-    batch: DataProto, tokenizer, rewards, max_error_share: float = 1.0, weights: list[float] | None = None
-) -> tuple[torch.Tensor, dict, list[dict]]:
-    """One scalar score per response of `batch` (see score_texts)."""
-    import torch  # here, not above: the reward processes import this module and need no torch
-
-    scores, metrics, extras = score_texts(response_texts(batch, tokenizer), batch, rewards, max_error_share, weights)
-    return torch.tensor(scores, dtype=torch.float32), metrics, extras
 
 
 def response_texts(batch: DataProto, tokenizer) -> list[str]:

@@ -465,17 +465,23 @@ def response_batch(prompts, prompt_mask, responses, log_probs, max_response_leng
     is_eos = torch.isin(responses, torch.tensor(eos_token_ids, device=responses.device))
     response_mask = (is_eos.cumsum(-1) - is_eos.long()) == 0
     responses = responses.masked_fill(~response_mask, pad_token_id)
-    attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=-1)
-    return DataProto.from_dict(
-        {
-            "responses": responses,
-            "response_mask": response_mask.float(),
-            "rollout_log_probs": log_probs * response_mask,
-            "input_ids": torch.cat([prompts, responses], dim=-1),
-            "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-        }
-    ).to("cpu")
+    return DataProto.from_dict(response_tensors(prompts, prompt_mask, responses, response_mask.float(), log_probs)).to("cpu")
+
+
+def response_tensors(prompts, prompt_mask, responses, response_mask, log_probs, attends=None) -> dict:
+    """The batch's keys of responses to left-padded `prompts`: `responses`, `response_mask` (the tokens the losses
+    count), the engine's log-probs of those as `rollout_log_probs`, and the full sequences as `input_ids`,
+    `attention_mask` and `position_ids`. `attends`: the response tokens that attend (default: `response_mask`'s)."""
+    attends = response_mask if attends is None else attends
+    attention_mask = torch.cat([prompt_mask, attends.long()], dim=-1)
+    return {
+        "responses": responses,
+        "response_mask": response_mask,
+        "rollout_log_probs": log_probs * response_mask,
+        "input_ids": torch.cat([prompts, responses], dim=-1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+    }
 
 
 class EngineWorker(Worker):

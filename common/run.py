@@ -33,7 +33,7 @@ class Run:
     name is the script's (algorithm_name): it names the run's folder, its wandb tag and what --resume auto looks for.
 
     `worker_groups`: how many groups share each accelerator (PPO's policy and critic: 2).
-    `prompts_per_batch`: prompts per `next_prompts()`; default --train-batch-size.
+    `prompts_per_batch`: prompts per batch drawn (RolloutSupply.next_prompts); default --train-batch-size.
     `supervised`: the files hold chat transcripts to learn from (common/transcripts.py, algos/sft_hybrid.py), not
     prompts: no rewards and no rollout engine, batches from `next_transcripts()`, and validation is the loss on them.
     """
@@ -211,10 +211,6 @@ class Run:
     def generate(self, batch, do_sample: bool = True):
         """The policy's responses to `batch`'s prompts (RolloutSupply.generate)."""
         return self.rollouts.generate(batch, do_sample)
-
-    def next_prompts(self):
-        """The next batch of prompts, reshuffled at every pass over the data."""
-        return self.rollouts.next_prompts()
 
     def score(self, batch, metrics: dict):
         """One score per response of `batch` (Scorer.score)."""

@@ -32,6 +32,7 @@ from common.envs import Environments, run_episodes
 from common.layouts import response_outputs, rows_of
 from common.log_probs import response_log_probs
 from common.memory import measured
+from common.rewards import response_texts, score_texts
 from common.workers.critic import CriticWorker
 from common.workers.policy import PolicyWorker
 
@@ -434,3 +435,10 @@ def varlen_against_padded(model_path: str, device: str, dtype: torch.dtype):
     """(padded through SDPA, packed in one row through the varlen attention), each as outputs_of, weights in `dtype`."""
     padded = outputs_of(model_path, device, dtype, "sdpa", "padded")
     return [padded, outputs_of(model_path, device, dtype, register_varlen(), "one row")]
+
+
+def score(batch: DataProto, tokenizer, rewards, max_error_share: float = 1.0):
+    """One score per response of `batch` as the run's Scorer gives a rule's (score_texts of response_texts), as a
+    tensor, with the counts and each response's extra keys."""
+    scores, metrics, extras = score_texts(response_texts(batch, tokenizer), batch, rewards, max_error_share)
+    return torch.tensor(scores, dtype=torch.float32), metrics, extras

@@ -16,10 +16,21 @@ import torch
 from common.checkpoint import complete_checkpoints, find_checkpoint, save_checkpoint
 from common.dataproto import DataProto
 from common.isolation import InProcessCalls
-from common.rewards import REWARD_CALLS, score
+from common.rewards import REWARD_CALLS
 from common.worker_group import WorkerDied, WorkerGroup
 from common.workers.policy import PolicyWorker
-from helpers import ROOT, TINY, PolicyProbe, comparable, metric_rows, run_script, start_script, stop_in_process, wait_for_steps
+from helpers import (
+    ROOT,
+    TINY,
+    PolicyProbe,
+    comparable,
+    metric_rows,
+    run_script,
+    score,
+    start_script,
+    stop_in_process,
+    wait_for_steps,
+)
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo", "dapo"])

@@ -15,10 +15,10 @@ from common.rewards import (
     gsm8k_reward,
     load_reward_fn,
     reward_weights,
-    score,
     score_texts,
     score_value,
 )
+from helpers import score
 
 
 # (response, ground truth, verl's score, the lenient score): verl's gsm8k.py (strict) gave the third column
