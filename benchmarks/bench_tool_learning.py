@@ -131,6 +131,7 @@ if __name__ == "__main__":
                 sft_seconds=sft_seconds,
                 grpo_seconds=grpo_seconds,
                 grpo_step_seconds=step_seconds,
+                export=str(sft_run / "model"),
             )
         )
         print(f"seed {seed}: warm start {first:.1%}, GRPO {last:.1%} ({sft_seconds:.0f} s + {grpo_seconds:.0f} s)", flush=True)

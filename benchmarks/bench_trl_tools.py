@@ -1,16 +1,16 @@
 """TRL's GRPOTrainer with `tools=[multiply]` against algos/grpo_hybrid.py with `--tools multiply`, at equal settings.
 
-Both start from the same warm-started SmolLM2-135M-Instruct (an export of sft_hybrid.py, which carries the ChatML tool
-template `chatml_tools`; benchmarks/bench_tool_learning.py makes one per seed), train on the same prompts (the
-multiplication tool's train.parquet, common/demo.py) with the settings of bench_tool_learning.py's GRPO: 8 prompts x 4
-samples a step at temperature 1, a LoRA adapter of rank 16 (alpha 32, every linear layer, no dropout) at learning rate
-5e-4, KL to the adapter-disabled reference (k3, coefficient 0.001), at most 96 tokens of response, two rounds of tool
-calls (3 model turns), one optimiser step per generated batch, bf16 (what --compute-dtype auto takes on a CPU with
-AVX512-BF16), the same reward (the last number of the last assistant turn against the product). TRL runs in one process
-with torch's threads over every core; hybridrl its 2 CPU workers.
-
-Both trained models are judged alike: the held-out accuracy with the tool on the first 64 held-out problems, greedy, as
-grpo_hybrid.py's validation before its first step measures it (TRL's adapter merged and saved with its tokenizer).
+Both start from the same warm-started SmolLM2-135M-Instruct, the export of a seed's warm start in
+benchmarks/bench_tool_learning.py's run (it carries the ChatML tool template `chatml_tools`), and train on the same
+prompts (the multiplication tool's train.parquet, common/demo.py) with that run's GRPO settings (GRPO in
+bench_tool_learning.py): 8 prompts x 4 samples a step at temperature 1, as many steps, a LoRA adapter of rank 16
+(alpha 32, every linear layer, no dropout) at learning rate 5e-4, KL to the adapter-disabled reference (coefficient
+0.001), at most 96 tokens of response, two rounds of tool calls (3 model turns), one optimiser step per generated batch
+in micro-batches of 16, bf16 (what --compute-dtype auto takes on a CPU with AVX512-BF16), the same reward (the last
+number of the last assistant turn against the product). TRL runs in one process with torch's threads over every core;
+hybridrl ran its 2 CPU workers. hybridrl's figures are read from bench_tool_learning.py's JSON; TRL's trained model
+(its adapter merged, saved with its tokenizer) is judged as that run judged ours: grpo_hybrid.py's validation before its
+first step, on the same held-out problems, greedy.
 
 TRL reads a model's tool calls with a response template it knows for a few chat templates (Qwen, Llama, ...), and
 refuses any other one at start-up; the exact error is printed. The run then gives TRL's tokenizer the framing
@@ -20,7 +20,8 @@ parse the same `<tool_call>` JSON.
 TRL is never a dependency of hybridrl: give it an environment of its own and name its Python:
 
     python -m venv trl-env && trl-env/bin/pip install torch==2.13.0 trl==1.16.0 peft
-    python benchmarks/bench_trl_tools.py --trl-python trl-env/bin/python --model runs/sft__.../model --steps 10
+    python benchmarks/bench_tool_learning.py --seeds 1       # writes bench_tool_learning.json
+    python benchmarks/bench_trl_tools.py --trl-python trl-env/bin/python --seed 1
 """
 
 import argparse
@@ -125,12 +126,12 @@ def trl_worker(steps: int, seed: int, model_path: str, train_file: str, out: str
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trl-python", help="the Python of an environment with TRL installed")
-    parser.add_argument("--model", required=True, help="the warm-started export both start from (sft_hybrid.py's model/)")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--val-problems", type=int, default=64)
+    parser.add_argument("--results", default="bench_tool_learning.json", help="bench_tool_learning.py's JSON")
+    parser.add_argument("--seed", type=int, default=1, help="the seed of bench_tool_learning.py's run to compare with")
     parser.add_argument("--out", default="bench_trl_tools.json")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--save", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -147,53 +148,54 @@ if __name__ == "__main__":
 
     cpu = machine()
     print(cpu, flush=True)
+    results = json.loads(Path(args.results).read_text())
+    [ours] = [result for result in results["seeds"] if result["seed"] == args.seed]
+    steps, problems = results["settings"]["grpo_steps"], results["settings"]["val_problems"]
     work = Path(tempfile.mkdtemp(prefix="bench_trl_tools_"))
     _, train_file, val_file = demo.prepare("multiply_tool")
     val_subset = work / "val.parquet"
-    pq.write_table(pq.read_table(val_file).slice(0, args.val_problems), val_subset)
-    data = ["--train-files", train_file, "--val-files", str(val_subset)]
-
-    def held_out_accuracy(model: str, name: str) -> float:
-        """grpo_hybrid.py's validation before its first step (one small step follows it)."""
-        folder = work / name
-        folder.mkdir()
-        small = ["--train-batch-size", "2", "--mini-batch-size", "2", "--n", "2"]
-        rows, _, _ = run_script("grpo_hybrid.py", ["--model-path", model, *data, *grpo_flags(1), *small], folder)
-        return rows[0]["val/accuracy"]
-
-    folder = work / "ours"
-    folder.mkdir()
-    grpo = ["--model-path", args.model, "--seed", str(args.seed), *data, *grpo_flags(args.steps)]
-    rows, _, ours_seconds = run_script("grpo_hybrid.py", grpo, folder)
-    ours_accuracy = [row["val/accuracy"] for row in rows if "val/accuracy" in row]
-    ours_steps = [row["timing/step"] for row in rows if "timing/step" in row]
-    print(f"hybridrl: {ours_accuracy[0]:.1%} -> {ours_accuracy[-1]:.1%}", flush=True)
+    pq.write_table(pq.read_table(val_file).slice(0, problems), val_subset)
 
     saved = work / "trl_model"
-    command = [args.trl_python, __file__, "--trl-worker", "--model", args.model, "--data", train_file, "--save", str(saved)]
+    command = [
+        args.trl_python,
+        __file__,
+        "--trl-worker",
+        "--model",
+        ours["export"],
+        "--data",
+        train_file,
+        "--save",
+        str(saved),
+    ]
     started = time.perf_counter()
-    result = subprocess.run([*command, "--steps", str(args.steps), "--seed", str(args.seed)], capture_output=True, text=True)
+    result = subprocess.run([*command, "--steps", str(steps), "--seed", str(args.seed)], capture_output=True, text=True)
     trl_seconds = time.perf_counter() - started
     (work / "trl.log").write_text(result.stdout + result.stderr)
     if result.returncode != 0:
         raise RuntimeError(f"TRL's run failed (log in {work / 'trl.log'}):\n{result.stderr[-3000:]}")
     trl = json.loads(result.stdout.strip().splitlines()[-1])
-    trl_after = held_out_accuracy(str(saved), "trl_after")
-    print(f"TRL: {ours_accuracy[0]:.1%} -> {trl_after:.1%}", flush=True)
+    # TRL's model judged as bench_tool_learning.py judged ours: grpo_hybrid.py's validation before its first step
+    folder = work / "trl_after"
+    folder.mkdir()
+    data = ["--train-files", train_file, "--val-files", str(val_subset)]
+    small = ["--train-batch-size", "2", "--mini-batch-size", "2", "--n", "2"]
+    rows, _, _ = run_script("grpo_hybrid.py", ["--model-path", str(saved), *data, *grpo_flags(1), *small], folder)
+    trl_after = rows[0]["val/accuracy"]
+    trl_step = sum(trl["step_seconds"][1:]) / len(trl["step_seconds"][1:])  # the first step is left out, as ours
 
-    mean = lambda values: sum(values[1:]) / len(values[1:])  # noqa: E731 (the first step is left out)
     summary = dict(
         cpu=cpu,
-        settings=vars(args) | {"grpo": GRPO},
-        before=ours_accuracy[0],
-        hybridrl=dict(after=ours_accuracy[-1], step_seconds=mean(ours_steps), wall_seconds=ours_seconds),
-        trl=dict(after=trl_after, step_seconds=mean(trl["step_seconds"]), wall_seconds=trl_seconds, **trl),
+        seed=args.seed,
+        export=ours["export"],
+        hybridrl=ours,
+        trl=dict(after=trl_after, step_seconds=trl_step, wall_seconds=trl_seconds, **trl),
     )
     Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
-    print(f"\n{cpu}; {args.steps} steps of 8 prompts x 4 samples from {args.model}, seed {args.seed}\n")
-    print("| trainer | held-out accuracy before | after | seconds per step (steps 2 on) |")
+    print(f"\n{cpu}; {steps} steps of 8 prompts x 4 samples from the warm start of seed {args.seed}\n")
+    print(f"| trainer | held-out accuracy ({problems} problems, greedy) before | after | seconds per step (steps 2 on) |")
     print("|---|---|---|---|")
-    print(f"| hybridrl grpo_hybrid.py | {summary['before']:.1%} | {ours_accuracy[-1]:.1%} | {mean(ours_steps):.1f} |")
-    print(f"| TRL GRPOTrainer | {summary['before']:.1%} | {trl_after:.1%} | {mean(trl['step_seconds']):.1f} |")
+    print(f"| hybridrl grpo_hybrid.py | {ours['warm_start']:.1%} | {ours['grpo']:.1%} | {ours['grpo_step_seconds']:.1f} |")
+    print(f"| TRL GRPOTrainer | {ours['warm_start']:.1%} | {trl_after:.1%} | {trl_step:.1f} |")
     if trl["refusal"]:
         print(f"\nTRL refused the export's chat template, then ran with hybridrl's response template: {trl['refusal']}")
