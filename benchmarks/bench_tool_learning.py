@@ -78,6 +78,9 @@ if __name__ == "__main__":
     parser.add_argument("--sft-steps", type=int, default=2, help="warm start steps (16 transcripts each)")
     parser.add_argument("--grpo-steps", type=int, default=10)
     parser.add_argument("--val-problems", type=int, default=64, help="held-out problems each validation answers")
+    parser.add_argument(
+        "--skip-base", action="store_true", help="leave out the base model's row (greedy: the same for every seed)"
+    )
     parser.add_argument("--out", default="bench_tool_learning.md", help="the table; its JSON goes beside it (.json)")
     args = parser.parse_args()
 
@@ -92,30 +95,23 @@ if __name__ == "__main__":
     pq.write_table(pq.read_table(val_file).slice(0, args.val_problems), val_subset)
     data = ["--train-files", train_file, "--val-files", str(val_subset)]
 
-    folder = work / "base"
-    folder.mkdir()
-    # One step of 2 prompts x 2 samples: the script validates before it, and that is the figure read.
-    base_flags = [*grpo_flags(1), "--train-batch-size", "2", "--mini-batch-size", "2", "--n", "2"]
-    rows, _, base_seconds = run_script(
-        "grpo_hybrid.py", ["--model-path", "smollm2", "--chat-template", "chatml_tools", *data, *base_flags], folder
-    )
-    base = accuracies(rows)[0]
-    print(f"base model: {base:.1%} ({base_seconds:.0f} s)", flush=True)
+    base, base_seconds = None, None
+    if not args.skip_base:
+        folder = work / "base"
+        folder.mkdir()
+        # One step of 2 prompts x 2 samples: the script validates before it, and that is the figure read.
+        base_flags = [*grpo_flags(1), "--train-batch-size", "2", "--mini-batch-size", "2", "--n", "2"]
+        model = ["--model-path", "smollm2", "--chat-template", "chatml_tools"]
+        rows, _, base_seconds = run_script("grpo_hybrid.py", [*model, *data, *base_flags], folder)
+        base = accuracies(rows)[0]
+        print(f"base model: {base:.1%} ({base_seconds:.0f} s)", flush=True)
 
     results = []
     for seed in args.seeds:
         folder = work / f"sft_{seed}"
         folder.mkdir()
-        sft_flags = [
-            "--model-path",
-            "smollm2",
-            "--seed",
-            str(seed),
-            "--total-steps",
-            str(args.sft_steps),
-            "--no-val-before-train",
-        ]
-        _, sft_run, sft_seconds = run_script("sft_hybrid.py", sft_flags, folder)
+        sft_flags = ["--model-path", "smollm2", "--seed", str(seed), "--total-steps", str(args.sft_steps)]
+        _, sft_run, sft_seconds = run_script("sft_hybrid.py", [*sft_flags, "--no-val-before-train"], folder)
         folder = work / f"grpo_{seed}"
         folder.mkdir()
         grpo = ["--model-path", str(sft_run / "model"), "--seed", str(seed), *data, *grpo_flags(args.grpo_steps)]
@@ -137,8 +133,10 @@ if __name__ == "__main__":
         print(f"seed {seed}: warm start {first:.1%}, GRPO {last:.1%} ({sft_seconds:.0f} s + {grpo_seconds:.0f} s)", flush=True)
 
     problems = f"{args.val_problems} held-out problems, greedy"
+    base_text = "left out" if base is None else f"{base:.1%}"
+    base_run = "left out" if base is None else f"{base_seconds:.0f} s for its whole run"
     lines = [
-        f"{cpu}; base model: `grpo_hybrid.py` validation before its first step ({base_seconds:.0f} s for the whole run)",
+        f"{cpu}; base model: `grpo_hybrid.py`'s validation before its first step ({base_run})",
         "",
         f"| seed | base model ({problems}) | after the warm start ({args.sft_steps} steps) "
         f"| after GRPO ({args.grpo_steps} steps) | warm start's wall time | GRPO's wall time | GRPO's seconds per step |",
@@ -146,7 +144,7 @@ if __name__ == "__main__":
     ]
     for result in results:
         lines.append(
-            f"| {result['seed']} | {base:.1%} | {result['warm_start']:.1%} | {result['grpo']:.1%} "
+            f"| {result['seed']} | {base_text} | {result['warm_start']:.1%} | {result['grpo']:.1%} "
             f"| {result['sft_seconds']:.0f} s | {result['grpo_seconds']:.0f} s | {result['grpo_step_seconds']:.1f} |"
         )
     table = "\n".join(lines)
