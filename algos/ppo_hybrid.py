@@ -218,6 +218,7 @@ def critic_loss(batch, values, minibatch_tokens, minibatch_seqs, args: Args):
 
 if __name__ == "__main__":
     from common import demo
+    from common.envs import split_turn_rewards
     from common.rollout_correction import rejection_mask, rollout_diagnostics, update_figures
     from common.run import Run
     from common.tracking import timer
@@ -272,7 +273,8 @@ if __name__ == "__main__":
             response_mask, kl = batch["response_mask"], torch.zeros_like(batch["response_mask"])
             if args.kl_coef > 0:
                 kl = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], args.kl_type)
-            token_rewards = kl_penalised_rewards(scores, kl, response_mask, kl_coef)
+            outcome_scores, turn_rewards = split_turn_rewards(scores, batch)  # an episode's turns: each on its last token
+            token_rewards = kl_penalised_rewards(outcome_scores, kl, response_mask, kl_coef) + turn_rewards
             advantages, returns = compute_gae(token_rewards, batch["values"], response_mask, args.gamma, args.lam)
             batch["advantages"], batch["returns"] = advantages, returns
             metrics["actor/kl_coef"], metrics["actor/kl"] = kl_coef, ((kl * response_mask).sum() / response_mask.sum()).item()

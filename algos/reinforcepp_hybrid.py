@@ -179,6 +179,7 @@ def actor_loss(batch, outputs, minibatch_tokens, minibatch_seqs, args: Args):
 
 if __name__ == "__main__":
     from common import demo
+    from common.envs import split_turn_rewards
     from common.rollout_correction import rejection_mask, rollout_diagnostics, update_figures
     from common.run import Run
     from common.tracking import timer
@@ -226,7 +227,8 @@ if __name__ == "__main__":
             response_mask, kl = batch["response_mask"], torch.zeros_like(batch["response_mask"])
             if args.kl_coef > 0:
                 kl = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], args.kl_type)
-            token_rewards = kl_penalised_rewards(scores, kl, response_mask, args.kl_coef)
+            outcome_scores, turn_rewards = split_turn_rewards(scores, batch)  # an episode's turns: each on its last token
+            token_rewards = kl_penalised_rewards(outcome_scores, kl, response_mask, args.kl_coef) + turn_rewards
             if args.baseline:
                 batch["advantages"] = compute_reinforcepp_baseline_advantages(token_rewards, response_mask, batch["uid"])
             else:

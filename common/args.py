@@ -303,10 +303,10 @@ def check_args(args: RunArgs) -> None:
             f"--max-staleness is {args.max_staleness}: above 0, the engines generate while the policy trains, which "
             "needs engines apart from the policy's processes (--rollout-workers 1 or more); 0 is the synchronous loop"
         )
-    if args.max_staleness and (args.env or args.tools):
+    if args.max_staleness and (args.env or args.tools) and args.reward_workers == 0:
         raise ValueError(
-            "--env and --tools run episodes turn by turn with the environment, a batch at a time: drop --max-staleness "
-            "(the engines apart, --rollout-workers, still generate them)"
+            "--reward-workers 0 with --max-staleness above 0 and --env or --tools: the episodes play in a thread while the "
+            "policy trains, where a call in this process cannot be stopped at --reward-timeout; use --reward-workers 1 or more"
         )
     if args.rollout_workers and args.offload:
         raise ValueError("--offload makes room for an engine in the policy's processes: drop it with --rollout-workers")

@@ -30,6 +30,11 @@ An environment is a plain Python class, named like a reward (`--env path/to/file
         def get_reward(self) -> float:   # optional: the episode's score, when it ends; else the reward function's
             ...
 
+Either shape may also reward a turn: `turn_reward(self)`, if it has one, is called after each turn the environment
+played (its step, or its tool calls) and returns that turn's reward (None: none). The episode's score is then the sum
+of its turns' rewards and of its final score (the reward function's, step's number, get_reward's); PPO and
+REINFORCE++ place each turn's reward on that turn's last token.
+
 The second is TRL's `environment_factory` shape; --tools functions (common/tools.py) are offered beside its methods, or
 alone without --env. An episode of tools ends when the model answers without a call. Several environments, comma-
 separated, serve one run: a data row's `env` field names its own (the class's name, or the built-in's).
@@ -50,6 +55,7 @@ import pickle
 import re
 import shlex
 import sys
+import time
 import traceback
 from dataclasses import dataclass, field
 
@@ -59,7 +65,7 @@ from common.tools import ToolResultFraming, call_tool, check_tool_template, load
 # How an episode ended, logged as the share of each under env/ended_<how>; `answered`: a turn without a tool call.
 ENDINGS = ("by_env", "answered", "max_turns", "token_limit", "error", "timeout")
 ROW_FIELDS = ("data_source", "ground_truth", "extra_info")  # what reset gets of a data row
-NOT_TOOLS = ("reset", "step", "get_reward")  # public methods of an environment that are not tools
+NOT_TOOLS = ("reset", "step", "get_reward", "turn_reward")  # public methods of an environment that are not tools
 
 
 class Calculator:
@@ -111,7 +117,7 @@ def load_env(spec: str):
 
 
 def tool_methods(env_cls) -> list[str]:
-    """The names of `env_cls`'s methods that are tools: the public ones but reset, step and get_reward."""
+    """The names of `env_cls`'s methods that are tools: the public ones but reset, step, get_reward and turn_reward."""
     methods = inspect.getmembers(env_cls, inspect.isfunction)
     return [name for name, _ in methods if not name.startswith("_") and name not in NOT_TOOLS]
 
@@ -204,12 +210,13 @@ ENV_CALLS = CallKind("env", "", load="common.envs:load_environments", call="comm
 
 
 def call_env(environments: Environments, name: str, state: bytes | None, row: tuple, action: tuple) -> tuple:
-    """One call of an episode of environment `name`: ("ok", (the environment's state after it, what it returned)) or
+    """One call of an episode of environment `name`: ("ok", (the environment's state after it, what it returned, the
+    turn's reward)) or
     ("error", kind, traceback). The state is the environment object, pickled; None before the first call, when a new
     one is made and reset from `row` (data_source, ground_truth, extra_info), and with --tools alone. `action`:
     ("text", the model's turn) for step(text), which returns its reply, a score or None; ("tools", calls parsed by
     parse_tool_calls), which returns each call's (result, whether it is an error message); ("reward",), get_reward's
-    score."""
+    score. After a turn's call, the environment's turn_reward() (if it has one) gives that turn's reward, or None."""
     try:
         env_cls = environments.classes[name]
         if state is not None:
@@ -240,7 +247,11 @@ def call_env(environments: Environments, name: str, state: bytes | None, row: tu
                     reply.append(call_tool(tools[call["name"]], schemas[call["name"]], call["arguments"]))
         else:
             reply = finite_score(env.get_reward(), "get_reward")
-        return "ok", (None if env is None else pickle.dumps(env), reply)
+        turn_reward = None
+        if kind != "reward" and callable(getattr(env, "turn_reward", None)):
+            turn_reward = env.turn_reward()
+            turn_reward = None if turn_reward is None else finite_score(turn_reward, "turn_reward")
+        return "ok", (None if env is None else pickle.dumps(env), reply, turn_reward)
     except (Exception, SystemExit) as error:
         return "error", type(error).__name__, traceback.format_exc()
 
@@ -307,123 +318,202 @@ class Episode:
     last_turn: str = ""
     ending: str | None = None
     score: float | None = None
+    turn_rewards: list[float] = field(default_factory=list)  # per model turn, what the environment's turn_reward gave
+    turn_ends: list[int] = field(default_factory=list)  # per model turn, where its last token is in `tokens`
     tool_calls: int = 0
     tool_errors: int = 0  # calls answered with an error message: malformed, unknown tool, wrong arguments
+    seconds: float = 0.0  # from the start of run_episodes until the episode ended
+    versions: list = field(default_factory=list)  # per model turn, the weight version the engine generated it from
+
+
+class EpisodePlay:
+    """The turns of a batch of episodes, each episode on its own: the engine generates the turns of every episode that
+    waits for one, all in one generate, while the environments' calls of the others run in their processes; an episode
+    whose call answers is ready for its next turn, and the next generate takes it. A slow or hung call holds its own
+    episode alone (to --reward-timeout)."""
+
+    def __init__(self, policy, env_calls, environments, tokenizer, eos_token_ids, max_turns, max_response_length, sampling):
+        self.policy, self.env_calls, self.environments, self.tokenizer = policy, env_calls, environments, tokenizer
+        self.eos_token_ids, self.max_turns, self.max_response_length = eos_token_ids, max_turns, max_response_length
+        self.sampling = sampling
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
+        self.frame = AnswerFraming(tokenizer)
+        self.frame_results = ToolResultFraming(tokenizer, tokenizer.convert_ids_to_tokens(eos_token_ids))
+        self.failures, self.stepping, self.start = {}, {}, time.perf_counter()  # stepping: calls under way by ticket
+
+    def play(self, episodes: list[Episode]) -> None:
+        ready, generating = list(episodes), None
+        while ready or self.stepping or generating is not None:
+            if generating is None and ready:
+                generating, ready = (self._generate(ready), ready), []
+            if generating is not None and (not self.stepping or generating[0].done()):
+                pending, turns = generating
+                out = pending.result()
+                lengths = out["response_mask"].sum(-1).long().tolist()  # up to the first EOS
+                versions = out["weight_version"].tolist() if "weight_version" in out else [None] * len(turns)
+                for episode, tokens, log_probs, length, version in zip(
+                    turns, out["responses"], out["rollout_log_probs"], lengths, versions
+                ):
+                    episode.versions.append(version)
+                    self._take_turn(episode, tokens[:length].tolist(), log_probs[:length].tolist())
+                generating = None
+                continue
+            # while the engine generates, answers are gathered every 10 ms; else the first to come is taken at once
+            for ticket, outcome in self.env_calls.collect(timeout=None if generating is None else 0.01).items():
+                episode, action = self.stepping.pop(ticket)
+                if self._answer(episode, action, outcome):
+                    ready.append(episode)
+        report_failures(self.failures)
+
+    def _generate(self, ready: list[Episode]):
+        from common.data import collate
+        from common.dataproto import DataProto
+
+        contexts = collate(DataProto.from_dict(non_tensors={"prompt_ids": [e.prompt + e.tokens for e in ready]}), self.pad)
+        return self.policy.submit_scatter(
+            "generate",
+            contexts.select("prompts", "prompt_mask"),
+            **self.sampling,
+            max_response_length=max(self.max_response_length - len(e.tokens) for e in ready),
+            stop_strings=self.environments.stop_strings,
+        )
+
+    def _take_turn(self, episode: Episode, tokens: list[int], log_probs: list[float]) -> None:
+        """Add the model's turn to `episode`, then end it or call its environment."""
+        environments, tokenizer = self.environments, self.tokenizer
+        room = self.max_response_length - len(episode.tokens)
+        end = stop_end(tokens, environments.stop_strings, tokenizer)
+        if end is None and tokens and tokens[-1] in self.eos_token_ids:
+            end = len(tokens)
+        kept = min(len(tokens), room) if end is None or end > room else end
+        context = episode.prompt + episode.tokens
+        episode.tokens += tokens[:kept]
+        episode.turn_ends.append(len(episode.tokens) - 1)
+        episode.own += [True] * kept
+        episode.log_probs += log_probs[:kept]
+        episode.turns += 1
+        episode.last_turn = tokenizer.decode(tokens[:kept], skip_special_tokens=True)
+        if end is None or end > room:  # the model was still writing when the episode's tokens ran out
+            return self._end(episode, "token_limit")
+        if environments.reads_text(episode.env_name):
+            return self._call(episode, ("text", episode.last_turn))
+        schemas = list(environments.schemas(episode.env_name).values())
+        turn_text, context_text = tokenizer.decode(tokens[:kept]), tokenizer.decode(context)
+        calls = parse_tool_calls(tokenizer, turn_text, context_text, schemas)
+        if not calls:
+            return self._end(episode, "answered")
+        self._call(episode, ("tools", calls))
+
+    def _call(self, episode: Episode, action: tuple) -> None:
+        self.stepping[self.env_calls.submit((episode.env_name, episode.env, episode.row, action))] = (episode, action)
+
+    def _answer(self, episode: Episode, action: tuple, outcome: tuple) -> bool:
+        """Take the environment's answer to `action` into `episode`; whether the model takes another turn."""
+        if outcome[0] != "ok":
+            fail(episode, outcome, self.failures)
+            episode.seconds = time.perf_counter() - self.start
+            return False
+        episode.env, reply, turn_reward = outcome[1]
+        if action[0] == "reward":
+            episode.score = reply
+            episode.seconds = time.perf_counter() - self.start
+            return False
+        episode.turn_rewards.append(turn_reward or 0.0)
+        if action[0] == "tools":
+            episode.tool_calls += len(reply)
+            episode.tool_errors += sum(error for _, error in reply)
+        elif not isinstance(reply, str):
+            episode.score = reply
+            self._end(episode, "by_env")
+            return False
+        if episode.turns == self.max_turns:
+            self._end(episode, "max_turns")
+            return False
+        ended_with_eos = episode.tokens[-1] in self.eos_token_ids
+        if action[0] == "tools":
+            answer = self.frame_results(action[1], [result for result, _ in reply], ended_with_eos)
+        else:
+            answer = self.frame(reply, ended_with_eos)
+        if len(episode.tokens) + len(answer) >= self.max_response_length:  # no room left to act on it
+            self._end(episode, "token_limit")
+            return False
+        episode.tokens += answer
+        episode.own += [False] * len(answer)
+        episode.log_probs += [0.0] * len(answer)
+        return True
+
+    def _end(self, episode: Episode, ending: str) -> None:
+        """End `episode`; an environment with get_reward then scores it, however it ended (a failed one scores 0)."""
+        episode.ending = ending
+        episode.seconds = time.perf_counter() - self.start
+        if self.environments.scores(episode.env_name):
+            self._call(episode, ("reward",))
 
 
 def run_episodes(policy, batch, env_calls, environments, tokenizer, eos_token_ids, max_turns, max_response_length, sampling):
-    """Play one episode per row of `batch`, of the environment its `env` names (else the first of `environments`): the
-    model's turns generated by `policy` (either engine, `sampling` as its generate takes it), the environment's calls
-    made by `env_calls` (CallProcesses or InProcessCalls of ENV_CALLS). Returns what one turn's generate returns, with
-    `response_mask` over the model's own tokens alone and `max_response_length` tokens for the whole episode; and per
-    row `final_turn` (the text a reward scores), `episode_score` (the environment's score, or None), `turns`, `ending`
-    (one of ENDINGS), `tool_calls` and `tool_errors`."""
+    """Play one episode per row of `batch`, of the environment its `env` names (else the first of `environments`), each
+    on its own (EpisodePlay): the model's turns generated by `policy` (a worker group of either engine, `sampling` as its
+    generate takes it), the environment's calls made by `env_calls` (CallProcesses or InProcessCalls of ENV_CALLS).
+    Returns what one turn's generate returns, with `response_mask` over the model's own tokens alone and
+    `max_response_length` tokens for the whole episode; and per row `final_turn` (the text a reward scores),
+    `episode_score` (the environment's score, or None), `turn_rewards` (per model turn the environment played, what
+    its turn_reward gave it, 0 without), `turns`, `ending` (one of ENDINGS), `tool_calls`, `tool_errors` and
+    `episode_seconds` (from the start until it ended); `turn_reward_tokens`, each turn's reward on that turn's last
+    token (see split_turn_rewards); and from engines that tag what they generate with their weights' version (rollout
+    workers), the episode's `weight_version`, its first turn's (its oldest), and `newer_turns`, how many of its turns
+    came from newer weights (an update arrived while it played). Each token's rollout log-prob is the one its engine
+    sampled it with, so the off-policy correction holds per token whatever the version."""
     import torch
 
-    from common.data import collate
     from common.dataproto import DataProto
     from common.rollout import response_tensors
 
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
-    frame = AnswerFraming(tokenizer)
-    frame_results = ToolResultFraming(tokenizer, tokenizer.convert_ids_to_tokens(eos_token_ids))
     rows = zip(batch["data_source"], batch["ground_truth"], batch["extra_info"])
     names = batch["env"] if "env" in batch else [environments.names[0]] * len(batch)
     prompts = [p[m.bool()].tolist() for p, m in zip(batch["prompts"], batch["prompt_mask"])]
     episodes = [Episode(prompt, row, name) for prompt, row, name in zip(prompts, rows, names)]
-    failures = {}
-    for turn in range(max_turns):
-        active = [e for e in episodes if e.ending is None]
-        if not active:
-            break
-        contexts = collate(DataProto.from_dict(non_tensors={"prompt_ids": [e.prompt + e.tokens for e in active]}), pad)
-        budget = max(max_response_length - len(e.tokens) for e in active)
-        out = policy.scatter(
-            "generate",
-            contexts.select("prompts", "prompt_mask"),
-            **sampling,
-            max_response_length=budget,
-            stop_strings=environments.stop_strings,
-        )
-        lengths = out["response_mask"].sum(-1).long().tolist()  # up to the first EOS
-        calls = {}  # per episode of tools, the calls of its turn
-        for episode, tokens, log_probs, length in zip(active, out["responses"], out["rollout_log_probs"], lengths):
-            tokens, room = tokens[:length].tolist(), max_response_length - len(episode.tokens)
-            end = stop_end(tokens, environments.stop_strings, tokenizer)
-            if end is None and tokens and tokens[-1] in eos_token_ids:
-                end = len(tokens)
-            kept = min(len(tokens), room) if end is None or end > room else end
-            context = episode.prompt + episode.tokens
-            episode.tokens += tokens[:kept]
-            episode.own += [True] * kept
-            episode.log_probs += log_probs[:kept].tolist()
-            episode.turns += 1
-            episode.last_turn = tokenizer.decode(tokens[:kept], skip_special_tokens=True)
-            if end is None or end > room:  # the model was still writing when the episode's tokens ran out
-                episode.ending = "token_limit"
-            elif not environments.reads_text(episode.env_name):
-                schemas = list(environments.schemas(episode.env_name).values())
-                turn_text, context_text = tokenizer.decode(tokens[:kept]), tokenizer.decode(context)
-                calls[id(episode)] = parse_tool_calls(tokenizer, turn_text, context_text, schemas)
-                if not calls[id(episode)]:
-                    episode.ending = "answered"
-        stepping = [e for e in active if e.ending is None]
-        actions = [("tools", calls[id(e)]) if id(e) in calls else ("text", e.last_turn) for e in stepping]
-        outcomes = env_calls([(e.env_name, e.env, e.row, action) for e, action in zip(stepping, actions)]) if stepping else []
-        for episode, action, outcome in zip(stepping, actions, outcomes):
-            if outcome[0] != "ok":
-                fail(episode, outcome, failures)
-                continue
-            episode.env, reply = outcome[1]
-            if action[0] == "tools":
-                episode.tool_calls += len(reply)
-                episode.tool_errors += sum(error for _, error in reply)
-            elif not isinstance(reply, str):
-                episode.ending, episode.score = "by_env", reply
-                continue
-            if turn + 1 == max_turns:
-                episode.ending = "max_turns"
-                continue
-            ended_with_eos = episode.tokens[-1] in eos_token_ids
-            if action[0] == "tools":
-                answer = frame_results(action[1], [result for result, _ in reply], ended_with_eos)
-            else:
-                answer = frame(reply, ended_with_eos)
-            if len(episode.tokens) + len(answer) >= max_response_length:  # no room left to act on it
-                episode.ending = "token_limit"
-                continue
-            episode.tokens += answer
-            episode.own += [False] * len(answer)
-            episode.log_probs += [0.0] * len(answer)
-    # an environment with get_reward scores each of its episodes that did not fail, however it ended
-    scored = [e for e in episodes if e.ending not in ("error", "timeout") and environments.scores(e.env_name)]
-    outcomes = env_calls([(e.env_name, e.env, e.row, ("reward",)) for e in scored]) if scored else []
-    for episode, outcome in zip(scored, outcomes):
-        if outcome[0] != "ok":
-            fail(episode, outcome, failures)
-        else:
-            episode.env, episode.score = outcome[1]
-    report_failures(failures)
-    responses = torch.full((len(episodes), max_response_length), pad, dtype=torch.long)
+    play = EpisodePlay(policy, env_calls, environments, tokenizer, eos_token_ids, max_turns, max_response_length, sampling)
+    play.play(episodes)
+    responses = torch.full((len(episodes), max_response_length), play.pad, dtype=torch.long)
     own = torch.zeros(len(episodes), max_response_length)
     log_probs = torch.zeros(len(episodes), max_response_length)
+    turn_rewards = torch.zeros(len(episodes), max_response_length)
     for i, episode in enumerate(episodes):
+        turn_rewards[i, episode.turn_ends[: len(episode.turn_rewards)]] = torch.tensor(episode.turn_rewards)
         responses[i, : len(episode.tokens)] = torch.tensor(episode.tokens, dtype=torch.long)
         own[i, : len(episode.own)] = torch.tensor(episode.own, dtype=torch.float)
         log_probs[i, : len(episode.log_probs)] = torch.tensor(episode.log_probs)
+    versioned = {}
+    if episodes[0].versions[0] is not None:  # engines apart (--rollout-workers): an episode is as old as its first turn
+        versioned["weight_version"] = torch.tensor([e.versions[0] for e in episodes])
+        versioned["newer_turns"] = torch.tensor([sum(v != e.versions[0] for v in e.versions) for e in episodes])
     # every token of the episode attends and is read; the model's own are the ones the losses count
     real = torch.arange(max_response_length) < torch.tensor([len(e.tokens) for e in episodes])[:, None]
     return DataProto.from_dict(
-        response_tensors(batch["prompts"], batch["prompt_mask"], responses, own, log_probs, attends=real),
+        response_tensors(batch["prompts"], batch["prompt_mask"], responses, own, log_probs, attends=real)
+        | {"turn_reward_tokens": turn_rewards}
+        | versioned,
         {
             "final_turn": [e.last_turn for e in episodes],
             "episode_score": [e.score for e in episodes],
+            "turn_rewards": [e.turn_rewards for e in episodes],
             "turns": [e.turns for e in episodes],
             "ending": [e.ending for e in episodes],
             "tool_calls": [e.tool_calls for e in episodes],
             "tool_errors": [e.tool_errors for e in episodes],
+            "episode_seconds": [e.seconds for e in episodes],
         },
     )
+
+
+def split_turn_rewards(scores, batch):
+    """The rewards of `batch` as PPO and REINFORCE++ place them: each sample's outcome score (its last token's), and
+    [batch, response_len] the reward of each turn of an episode on that turn's last token (zeros without)."""
+    import torch
+
+    if "turn_reward_tokens" not in batch:
+        return scores, torch.zeros_like(batch["response_mask"])
+    return batch["outcome_score"], batch["turn_reward_tokens"]
 
 
 def fail(episode: Episode, outcome: tuple, failures: dict) -> None:
@@ -447,12 +537,18 @@ def report_failures(failures: dict) -> None:
 
 
 def episode_metrics(batch, prefix: str) -> dict[str, float]:
-    """Model turns and tool calls (and those answered with an error message) per episode on average, and the share of
-    episodes that ended each way (ENDINGS)."""
+    """Model turns and tool calls (and those answered with an error message) per episode on average, the environment's
+    mean reward of each turn (`turn_reward_<k>`), and the share of episodes that ended each way (ENDINGS)."""
     endings, episodes = list(batch["ending"]), len(batch)
     metrics = {
         f"{prefix}turns_mean": sum(batch["turns"]) / episodes,
         f"{prefix}tool_calls": sum(batch["tool_calls"]) / episodes,
         f"{prefix}tool_errors": sum(batch["tool_errors"]) / episodes,
     }
+    if "newer_turns" in batch:  # turns generated from newer weights than their episode's first (off-policy)
+        metrics[f"{prefix}newer_turns"] = batch["newer_turns"].float().mean().item()
+    rewards = list(batch["turn_rewards"]) if "turn_rewards" in batch else []
+    for turn in range(max(map(len, rewards), default=0)):  # the environment's reward of each turn, over episodes that had it
+        given = [r[turn] for r in rewards if len(r) > turn]
+        metrics[f"{prefix}turn_reward_{turn + 1}"] = sum(given) / len(given)
     return metrics | {f"{prefix}ended_{how}": endings.count(how) / episodes for how in ENDINGS}

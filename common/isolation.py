@@ -13,6 +13,7 @@ import atexit
 import hashlib
 import importlib
 import importlib.util
+import itertools
 import math
 import mmap
 import os
@@ -115,9 +116,21 @@ class InProcessCalls:
     def __init__(self, code, spec: str | None, kind: CallKind, timeout: float | None = None):
         self.code, self.timeout, self.call = code, timeout, kind.function("call")
         self.name = spec or kind.builtin
+        self.finished, self.tickets = {}, itertools.count()  # the outcomes of submitted calls, by ticket
 
     def __call__(self, samples: list[tuple]) -> list[tuple]:
         return [self._call(sample) for sample in samples]
+
+    def submit(self, sample: tuple) -> int:
+        """Make the call now (see CallProcesses.submit); its outcome waits for `collect`."""
+        ticket = next(self.tickets)
+        self.finished[ticket] = self._call(sample)
+        return ticket
+
+    def collect(self, timeout: float | None = None) -> dict[int, tuple]:
+        """The outcomes of the calls submitted since the last collect, by ticket."""
+        finished, self.finished = self.finished, {}
+        return finished
 
     def _call(self, sample: tuple) -> tuple:
         try:
@@ -168,6 +181,8 @@ class CallProcesses:
     def __init__(self, spec: str | None, size: int, kind: CallKind, timeout: float | None = None):
         self.spec, self.timeout, self.kind = spec, timeout or math.inf, kind
         self.name = spec or kind.builtin
+        # the calls submitted and not yet answered by ticket, those not yet sent to a process, and the next ticket
+        self.samples, self.todo, self.tickets = {}, deque(), itertools.count()
         self.processes = [self._start() for _ in range(size)]
         atexit.register(self.close)
 
@@ -211,37 +226,69 @@ class CallProcesses:
     def __call__(self, samples: list[tuple]) -> list[tuple]:
         """For each sample (the arguments of a call after the code) what its call came to: ("ok", ...), ("error", kind,
         traceback) or ("timeout",)."""
-        outcomes, todo = [None] * len(samples), deque(range(len(samples)))
+        tickets = [self.submit(sample) for sample in samples]
         share = max(1, len(samples) // (self.SHARES_PER_PROCESS * len(self.processes)))
-        while todo or any(worker.sent for worker in self.processes):
-            for slot, worker in enumerate(self.processes):
-                if worker.ready and not worker.sent and todo:
-                    worker.sent = [todo.popleft() for _ in range(min(share, len(todo)))]
-                    write_current_call(worker.current_call, worker.sent[0], time.monotonic())
-                    try:
-                        worker.connection.send([(i, samples[i]) for i in worker.sent])
-                    except OSError:  # it died between batches
-                        todo.extendleft(reversed(worker.sent))
-                        worker.sent = []
-                        self._replace(slot, todo)
-            deadline = min(self._deadline(worker) for worker in self.processes)
-            waiting = [worker.connection for worker in self.processes if worker.sent or not worker.ready]
-            ready = wait(waiting, timeout=None if deadline == math.inf else max(0.0, deadline - time.monotonic()))
-            for slot, worker in enumerate(self.processes):
-                if worker.connection in ready:
-                    self._receive(slot, worker, outcomes, todo)
-            for slot, worker in enumerate(self.processes):
-                if time.monotonic() >= self._deadline(worker):
-                    outcomes[self._replace(slot, todo)] = ("timeout",)
+        outcomes = {}
+        while len(outcomes) < len(tickets):
+            outcomes |= self._pump(share, None)
         for slot, worker in enumerate(self.processes):
             if worker.calls_made >= self.RECYCLE_AFTER:
-                self._replace(slot, todo)
+                self._replace(slot, self.todo)
+        return [outcomes.pop(ticket) for ticket in tickets]
+
+    def submit(self, sample: tuple) -> int:
+        """Queue one call, which the next free process makes; returns its ticket, under which `collect` gives its
+        outcome. Calls submitted one by one are sent one by one: each starts as soon as a process is free."""
+        ticket = next(self.tickets)
+        self.samples[ticket] = sample
+        self.todo.append(ticket)
+        return ticket
+
+    def collect(self, timeout: float | None = None) -> dict[int, tuple]:
+        """The outcomes of submitted calls, by ticket, once at least one has come (or `timeout` seconds passed: maybe
+        none); each is given once."""
+        for slot, worker in enumerate(self.processes):  # between calls, as __call__ does between batches
+            if worker.ready and not worker.sent and worker.calls_made >= self.RECYCLE_AFTER:
+                self._replace(slot, self.todo)
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        outcomes = {}
+        while not outcomes and self.samples and time.monotonic() <= deadline:
+            outcomes = self._pump(1, None if timeout is None else max(0.0, deadline - time.monotonic()))
+        return outcomes
+
+    def _pump(self, share: int, timeout: float | None) -> dict[int, tuple]:
+        """Send queued calls, `share` at a time, to the processes that are free, then wait for answers (at most
+        `timeout` seconds, and never past a call's deadline); returns the outcomes that came, by ticket."""
+        outcomes = {}
+        for slot, worker in enumerate(self.processes):
+            if worker.ready and not worker.sent and self.todo:
+                worker.sent = [self.todo.popleft() for _ in range(min(share, len(self.todo)))]
+                write_current_call(worker.current_call, worker.sent[0], time.monotonic())
+                try:
+                    worker.connection.send([(i, self.samples[i]) for i in worker.sent])
+                except OSError:  # it died between batches
+                    self.todo.extendleft(reversed(worker.sent))
+                    worker.sent = []
+                    self._replace(slot, self.todo)
+        deadline = min(self._deadline(worker) for worker in self.processes)
+        if timeout is not None:
+            deadline = min(deadline, time.monotonic() + timeout)
+        waiting = [worker.connection for worker in self.processes if worker.sent or not worker.ready]
+        ready = wait(waiting, timeout=None if deadline == math.inf else max(0.0, deadline - time.monotonic()))
+        for slot, worker in enumerate(self.processes):
+            if worker.connection in ready:
+                self._receive(slot, worker, outcomes, self.todo)
+        for slot, worker in enumerate(self.processes):
+            if time.monotonic() >= self._deadline(worker):
+                outcomes[self._replace(slot, self.todo)] = ("timeout",)
+        for ticket in outcomes:
+            del self.samples[ticket]
         return outcomes
 
     def _deadline(self, worker: CallProcess) -> float:
         return CURRENT_CALL.unpack_from(worker.current_call)[1] + self.timeout if worker.sent else math.inf
 
-    def _receive(self, slot: int, worker: CallProcess, outcomes: list, todo: deque) -> None:
+    def _receive(self, slot: int, worker: CallProcess, outcomes: dict, todo: deque) -> None:
         try:
             message = worker.connection.recv()
         except (EOFError, OSError):

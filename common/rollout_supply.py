@@ -24,7 +24,7 @@ class RolloutSupply:
 
         self.args, self.tokenizer, self.eos_token_ids, self.environments = args, tokenizer, eos_token_ids, environments
         self.train_loader, self.train_batches = train_loader, train_loader.forever()
-        self.env_calls = None
+        self.env_calls, self.reward_workers = None, reward_workers
         if environments is not None and reward_workers:
             self.env_calls = CallProcesses(environments.spec, reward_workers, ENV_CALLS, args.reward_timeout)
         elif environments is not None:
@@ -32,6 +32,7 @@ class RolloutSupply:
         # the policy's group, the engines apart (--rollout-workers), and the policy's version: its updates so far, set
         # by the run when a step's update is done (Run.end_step) or restored from a checkpoint (restore)
         self.policy, self.engines, self.version = None, None, 0
+        self.player_env_calls = None  # the environments' calls of episodes played while the policy trains (_player)
 
     def policy_settings(self) -> dict:
         """The policy's own rollout engine: the one that generates (the hybrid engine), or none with --rollout-workers."""
@@ -103,7 +104,7 @@ class RolloutSupply:
         import torch
 
         args = self.args
-        if self.engines is None or self.environments is not None:
+        if self.engines is None or (self.environments is not None and not args.max_staleness):
             batch = self.next_prompts().repeat(n, interleave=True)
             batch |= self.generate(batch)
             if self.engines is not None:
@@ -115,7 +116,11 @@ class RolloutSupply:
         generate = dict(max_response_length=args.max_response_length, top_p=args.top_p, top_k=args.top_k)
         while True:
             while self.engines.batches_asked() < args.max_staleness + 1:
-                self.engines.ask(self.next_prompts().repeat(n, interleave=True), **generate)
+                prompts = self.next_prompts().repeat(n, interleave=True)
+                if self.environments is None:
+                    self.engines.ask(prompts, **generate)
+                else:  # the episodes play in a thread, their environments' calls in processes of their own
+                    self.engines.ask_episodes(prompts, self._player())
             batch = self.engines.take(metrics)
             batch["staleness"] = self.version - batch["weight_version"]
             if batch["staleness"].max() <= args.max_staleness:
@@ -130,27 +135,44 @@ class RolloutSupply:
         were generated from: the policy's updates so far (single turns on rollout workers: as the engine held it)."""
         import torch
 
-        from common.envs import run_episodes
-
         args, engines, prompts = self.args, self._engines(), batch.select("prompts", "prompt_mask")
         sampling = dict(do_sample=do_sample, top_p=args.top_p, top_k=args.top_k)
         if self.environments is not None:
-            generated = run_episodes(
-                engines,
-                batch,
-                self.env_calls,
-                self.environments,
-                self.tokenizer,
-                self.eos_token_ids,
-                args.max_turns,
-                args.max_response_length,
-                sampling,
-            )
+            generated = self._play(engines, batch, self.env_calls, sampling)
         else:
             generated = engines.scatter("generate", prompts, max_response_length=args.max_response_length, **sampling)
         if "weight_version" not in generated:  # generated from the policy as it is now
             generated["weight_version"] = torch.full((len(generated),), self.version)
         return generated
+
+    def _play(self, engines, batch, env_calls, sampling: dict):
+        from common.envs import run_episodes
+
+        args = self.args
+        return run_episodes(
+            engines,
+            batch,
+            env_calls,
+            self.environments,
+            self.tokenizer,
+            self.eos_token_ids,
+            args.max_turns,
+            args.max_response_length,
+            sampling,
+        )
+
+    def _player(self):
+        """What plays a batch's episodes on the engines apart while the policy trains (--max-staleness with --env):
+        environment processes of its own, since the driver's thread plays validation's episodes meanwhile."""
+        from common.envs import ENV_CALLS
+        from common.isolation import CallProcesses
+
+        args = self.args
+        if self.player_env_calls is None:  # never in this process (args.py): a thread cannot time a call out
+            spec, timeout = self.environments.spec, args.reward_timeout
+            self.player_env_calls = CallProcesses(spec, self.reward_workers, ENV_CALLS, timeout)
+        sampling = dict(do_sample=True, top_p=args.top_p, top_k=args.top_k)
+        return lambda prompts: self._play(self.engines.group, prompts, self.player_env_calls, sampling)
 
     def checkpoint_state(self) -> dict:
         """What a checkpoint keeps of the supply: the data's position and, with engines apart, the work they were asked
@@ -174,8 +196,9 @@ class RolloutSupply:
 
     def close(self) -> None:
         """Stop the environment's processes and the engines apart, and give their accelerators back."""
-        if self.env_calls is not None:
-            self.env_calls.close()
+        for env_calls in (self.env_calls, self.player_env_calls):
+            if env_calls is not None:
+                env_calls.close()
         if self.engines is not None:
             self.engines.group.shutdown()
             self.engines.pool.shutdown()

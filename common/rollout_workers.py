@@ -44,6 +44,7 @@ class SplitEngines:
         # ("weights", version, the trainer's probe log-probs, call) and
         # ("batch", prompts, the engines' peak memory, call)
         self.in_flight, self.version = collections.deque(), None
+        self.player = None  # the thread that plays episodes (ask_episodes)
 
     def send_weights(self, version: int) -> None:
         """Queue the policy's weights of update `version`, behind what the engines were asked before, unless queued.
@@ -69,6 +70,17 @@ class SplitEngines:
         peaks = self.group.submit("phase_peak_memory")  # of the batch and the weights taken before it
         self.in_flight.append(("batch", prompts, peaks, call))
 
+    def ask_episodes(self, prompts: DataProto, play) -> None:
+        """The engines play `prompts`' episodes: `play(prompts)` (run_episodes on this group) runs in a thread of the
+        driver while the policy trains, one batch after another, its turns queued on the engines behind what they were
+        asked before it began them."""
+        if self.player is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.player = ThreadPoolExecutor(max_workers=1)
+        played = self.player.submit(lambda: (play(prompts), self.group.broadcast("phase_peak_memory")))
+        self.in_flight.append(("batch", prompts, Later(played, 1), Later(played, 0)))
+
     def batches_asked(self) -> int:
         return sum(entry[0] == "batch" for entry in self.in_flight)
 
@@ -84,8 +96,9 @@ class SplitEngines:
             prompts, peaks = entry
             batch = prompts | call.result()
             record_peak_memory(metrics, "rollout", peaks.result())
-            idle = metrics.get("timing/rollout_idle", 0.0) + batch["engine_idle_s"].mean().item()  # the engines' mean
-            metrics["timing/rollout_idle"] = idle
+            if "engine_idle_s" in batch:  # a batch of single turns
+                idle = metrics.get("timing/rollout_idle", 0.0) + batch["engine_idle_s"].mean().item()  # the engines' mean
+                metrics["timing/rollout_idle"] = idle
             return batch
 
     def settle(self, metrics: dict) -> None:
@@ -101,13 +114,24 @@ class SplitEngines:
         weight versions) and the weight syncs whose probes are still to check. A checkpoint keeps it, and a resumed run
         takes it (`resume`) where the stopped one would have; this run goes on taking it from the queue as before."""
         self.in_flight = collections.deque(
-            tuple(Answered(part.result()) if isinstance(part, Pending) else part for part in entry) for entry in self.in_flight
+            tuple(Answered(part.result()) if isinstance(part, (Pending, Later)) else part for part in entry)
+            for entry in self.in_flight
         )
         return list(self.in_flight)
 
     def resume(self, in_flight: list[tuple]) -> None:
         """Take first what a checkpoint's run had asked and not taken (`finish`), before asking the engines anything."""
         self.in_flight.extend(in_flight)
+
+
+class Later:
+    """Part `index` of what a thread's future returns, read as a Pending is."""
+
+    def __init__(self, future, index: int):
+        self.future, self.index = future, index
+
+    def result(self):
+        return self.future.result()[self.index]
 
 
 class Answered:

@@ -113,7 +113,9 @@ class Scorer:
 
     def score(self, batch, metrics: dict):
         """One score per response of `batch` (see score_texts); the reward's error and timeout counts are added to
-        `metrics`, the other keys go to `batch["reward_extra"]` (logged as `reward/<key>` by Run.end_step)."""
+        `metrics`, the other keys go to `batch["reward_extra"]` (logged as `reward/<key>` by Run.end_step). An episode
+        whose environment rewarded its turns scores the sum of their rewards and its outcome's score, which
+        `batch["outcome_score"]` keeps (see envs.split_turn_rewards)."""
         import torch
 
         from common.rewards import response_texts
@@ -121,7 +123,11 @@ class Scorer:
         scores, counts, batch["reward_extra"] = self.score_texts(response_texts(batch, self.tokenizer), batch)
         for key, value in counts.items():
             metrics[key] = metrics.get(key, 0) + value
-        return torch.tensor(scores, dtype=torch.float32)
+        scores = torch.tensor(scores, dtype=torch.float32)
+        if "turn_reward_tokens" in batch:  # episodes whose environment rewarded turns: the sum (common/envs.py)
+            batch["outcome_score"] = scores
+            scores = scores + batch["turn_reward_tokens"].sum(-1)
+        return scores
 
     def score_texts(self, texts: list[str], batch) -> tuple[list[float], dict, list[dict]]:
         """Each response's score, the reward's error and timeout counts, and per response the keys beside its score:

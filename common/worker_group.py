@@ -455,6 +455,15 @@ class Pending:
         self.group, self.refs, self.method, self.reassemble = group, refs, method, reassemble
         self.call = call or method
 
+    def done(self) -> bool:
+        """Whether every rank has answered: `result` then waits no more."""
+        if self.group.in_process:
+            return True
+        import ray
+
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
     def result(self):
         """Wait for every rank; the group's result (a rank that died: WorkerDied; one that gave no answer within the
         bound: WorkerStopped)."""

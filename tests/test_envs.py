@@ -12,7 +12,8 @@ from ray import cloudpickle
 
 from common.data import collate
 from common.dataproto import DataProto
-from common.envs import ENV_CALLS, AnswerFraming, Calculator, Environments, call_env, episode_spec, load_env, stop_end
+from common.envs import ENV_CALLS, AnswerFraming, Calculator, Environments, call_env, episode_metrics, episode_spec, load_env
+from common.envs import stop_end
 from common.isolation import REPORTED_FAILURES, CallProcesses, InProcessCalls
 from common.worker_group import WorkerGroup
 from helpers import LOG_PROB_INPUTS, PolicyProbe, play, turns_of
@@ -38,6 +39,24 @@ class Chatty:
         if self.a == 4:
             time.sleep(600)
         return f"ok{self.turns};"
+
+
+class Sleepy:
+    """Answers every turn, the first of a = 4 after 2 s; rewards each turn: 0.5 the first, 1.0 the second, ..."""
+
+    stop_strings = ["1"]
+
+    def reset(self, data_source, ground_truth, extra_info):
+        self.a, self.turns = extra_info["a"], 0
+
+    def step(self, text):
+        self.turns += 1
+        if self.a == 4 and self.turns == 1:
+            time.sleep(2)
+        return f"ok{self.turns};"
+
+    def turn_reward(self):
+        return 0.5 * self.turns
 
 
 class Judge:
@@ -151,11 +170,15 @@ def test_a_tool_that_raises_or_hangs_ends_its_episode_alone(policy, prompts, tok
     broken = [i for i, extra in enumerate(prompts["extra_info"]) if extra["a"] in (2, 4)]
     assert len(broken) == 2, "the demo's first prompts hold a = 2 and a = 4"
     REPORTED_FAILURES.clear()  # what earlier tests in this process printed
-    env_calls = CallProcesses(episode_spec(f"{env_file}:Chatty", None), 2, ENV_CALLS, timeout=2)
+    # three processes: the two hung calls hold two, the other episodes' calls take the third
+    env_calls = CallProcesses(episode_spec(f"{env_file}:Chatty", None), 3, ENV_CALLS, timeout=4)
     try:
         batch = play(policy, prompts[rows + broken], env_calls, load_env(f"{env_file}:Chatty"), tokenizer, eos, n=2)
     finally:
         env_calls.close()
+    hung = [s for s, ending in zip(batch["episode_seconds"], batch["ending"]) if ending == "timeout"]
+    finished = [s for s, ending in zip(batch["episode_seconds"], batch["ending"]) if ending in ("max_turns", "token_limit")]
+    assert min(hung) >= 4 and max(finished) < min(hung), "the others played all their turns while the hung call waited"
     for ending, extra, score in zip(batch["ending"], batch["extra_info"], batch["episode_score"]):
         expected = {2: "error", 4: "timeout"}.get(extra["a"])
         if expected:
@@ -163,6 +186,27 @@ def test_a_tool_that_raises_or_hangs_ends_its_episode_alone(policy, prompts, tok
         else:
             assert ending in ("max_turns", "token_limit") and score is None
     assert capsys.readouterr().err.count("the environment failed (ValueError)") == 1
+
+
+def test_a_slow_environment_delays_its_own_episode_alone_and_turns_are_rewarded(policy, prompts, tokenizer, eos, env_file):
+    rows = [i for i, extra in enumerate(prompts["extra_info"]) if extra["a"] != 4][:2]
+    slow = [i for i, extra in enumerate(prompts["extra_info"]) if extra["a"] == 4]
+    env_calls = CallProcesses(episode_spec(f"{env_file}:Sleepy", None), 2, ENV_CALLS, timeout=30)
+    try:
+        batch = play(policy, prompts[slow + rows], env_calls, load_env(f"{env_file}:Sleepy"), tokenizer, eos, n=2)
+    finally:
+        env_calls.close()
+    seconds = batch["episode_seconds"]
+    assert min(seconds[:2]) >= 2 and max(seconds[:2]) > max(seconds[2:]), "the slow episodes end last"
+    assert set(batch["ending"]) <= {"max_turns", "token_limit"}
+    for i in range(len(batch)):  # each turn the environment answered has its reward on the turn's last token
+        ends = [end - 1 for _, end in turns_of(batch["response_mask"][i])]
+        expected = [0.5 * turn for turn in range(1, len(batch["turn_rewards"][i]) + 1)]
+        assert batch["turn_rewards"][i] == expected and len(expected) in (len(ends), len(ends) - 1)
+        placed = torch.zeros(12)
+        placed[ends[: len(expected)]] = torch.tensor(expected)
+        assert torch.equal(batch["turn_reward_tokens"][i], placed)
+    assert episode_metrics(batch, "env/")["env/turn_reward_1"] == 0.5
 
 
 def test_an_environments_score_ends_the_episode(policy, prompts, tokenizer, eos, env_file):

@@ -295,10 +295,6 @@ BAD_INPUT = {
         ["--rollout-workers", "-1"],
         "--rollout-workers is -1; use 0 for the policy's own processes to generate",
     ),
-    "staleness-with-env": (
-        ["--rollout-workers", "1", "--max-staleness", "1", "--env", "calculator"],
-        "--env and --tools run episodes turn by turn with the environment, a batch at a time: drop --max-staleness",
-    ),
     "sequence-parallel-above-heads": (
         ["--num-workers", "4", "--sequence-parallel", "4"],
         "has 2 attention heads, and each rank attends for at least one; use at most 2",

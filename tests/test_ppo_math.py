@@ -5,6 +5,8 @@ import statistics
 import pytest
 import torch
 
+from common.dataproto import DataProto
+from common.envs import split_turn_rewards
 from ppo_hybrid import compute_gae, compute_value_loss, kl_penalised_rewards, masked_whiten, update_kl_coef
 
 
@@ -98,3 +100,18 @@ def test_the_score_goes_to_the_models_last_token_after_the_environments():
     mask = torch.tensor([[1.0, 1.0, 0.0, 1.0, 0.0, 0.0]])
     rewards = kl_penalised_rewards(torch.tensor([2.0]), torch.zeros(1, 6), mask, 0.1)
     assert rewards.tolist() == [[0.0, 0.0, 0.0, 2.0, 0.0, 0.0]]
+
+
+def test_each_turns_reward_lands_on_that_turns_last_token_in_gae():
+    # model, model, env, env, model, model, padding: the first turn rewarded 0.5 by the environment, the outcome 2.0
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0]])
+    turns = torch.tensor([[0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    batch = DataProto.from_dict({"response_mask": mask, "turn_reward_tokens": turns, "outcome_score": torch.tensor([2.0])})
+    outcome, turn_rewards = split_turn_rewards(torch.tensor([2.5]), batch)  # the scorer's sum: 2.5
+    rewards = kl_penalised_rewards(outcome, torch.zeros(1, 7), mask, 0.1) + turn_rewards
+    assert rewards.tolist() == [[0.0, 0.5, 0.0, 0.0, 0.0, 2.0, 0.0]]
+    _, returns = compute_gae(rewards, torch.zeros(1, 7), mask, 0.5, 1.0)
+    # values 0: the reward-to-go over the model's tokens alone, discounted by 0.5 a token: 0.5 * (0.5 + 0.5 * 0.5 * 2), ...
+    assert returns.tolist() == [[0.5, 1.0, 0.0, 0.0, 1.0, 2.0, 0.0]]
+    single = DataProto.from_dict({"response_mask": mask})  # a single turn's batch: the score alone, at the end
+    assert torch.equal(split_turn_rewards(torch.tensor([2.5]), single)[0], torch.tensor([2.5]))

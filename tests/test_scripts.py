@@ -150,6 +150,18 @@ def test_multi_turn_episodes_with_the_calculator(ray_cluster, demo_files, tmp_pa
         assert row["rollout/logprob_diff_max"] < 1e-4 and "val/accuracy/multiplication" in row
 
 
+def test_multi_turn_episodes_play_on_a_rollout_worker_while_the_policy_trains(ray_cluster, demo_files, tmp_path):
+    flags = ["--num-workers", "1", "--rollout-workers", "1", "--max-staleness", "1", "--env", "calculator"]
+    result = run_script("grpo_hybrid.py", *SMALL_RUN[:-2], *flags, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, rows = metrics_of(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows[1:]:
+        assert row["rollout/staleness_max"] <= 1 and row["env/turns_mean"] > 1
+        assert row["env/ended_error"] == row["env/ended_timeout"] == 0 and row["env/newer_turns"] >= 0
+    assert rows[2]["rollout/staleness_max"] == 1  # the second step's episodes played while the policy took the first
+
+
 def test_in_process_trains_as_one_ray_worker_does(ray_cluster, in_process_run, tmp_path):
     """--in-process: the worker runs inside the driver's process, so breakpoint() in a loss, a reward or a worker
     stops in the user's terminal. Two steps give the metrics that one Ray worker gives."""

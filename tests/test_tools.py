@@ -9,6 +9,7 @@ test_vllm.py's, and the script's step below runs the real one with tools.
 import json
 import os
 import shlex
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -119,7 +120,12 @@ class ScriptedEngine:
     def __init__(self, tokenizer, script: dict[str, list[str]]):
         self.tokenizer, self.script = tokenizer, script
 
-    def scatter(self, method, contexts, max_response_length, **sampling):
+    def submit_scatter(self, method, contexts, max_response_length, **sampling):
+        """What a worker group's submit_scatter gives: the generated turns, ready at once."""
+        turns = self.generate(contexts, max_response_length)
+        return SimpleNamespace(done=lambda: True, result=lambda: turns)
+
+    def generate(self, contexts, max_response_length):
         rows = []
         for context in contexts["prompts"]:
             text = self.tokenizer.decode(context)
