@@ -98,8 +98,9 @@ class RunArgs:
     in_process: bool = False
     """debug mode: one worker inside this process, without Ray, so that breakpoint() in a loss, a reward or a worker
     stops in this terminal (--num-workers is then 1)"""
-    rollout_engine: Literal["hf", "vllm"] = "hf"
-    """what generates rollouts: `hf`, transformers' generate on the policy itself; `vllm`, a vLLM engine in its process"""
+    rollout_engine: str = "hf"
+    """what generates rollouts: `hf`, transformers' generate on the policy itself; `vllm`, a vLLM engine in its process;
+    or any engine registered with common.engines.register_engine (docs/rollout-engines.md)"""
     rollout_workers: int = flag(0, resumable=True)
     """0: the policy's own processes generate (the hybrid engine); N: N processes apart from the policy's, one
     --rollout-engine each, to which the policy sends its weights after each update (split placement, docs/async.md)"""
@@ -252,6 +253,7 @@ def check_args(args: RunArgs) -> None:
     """Every rule the shared flags keep with each other, checked before anything is loaded: a ValueError that names
     the flag and the rule it breaks. (What needs a file read, the data or the cluster is checked where it is read.)"""
     from common.data import check_batch_sizes
+    from common.engines import check_engine
     from common.rewards import reward_weights
     from common.rollout import check_rollout
     from common.rollout_correction import check_rollout_correction
@@ -272,6 +274,7 @@ def check_args(args: RunArgs) -> None:
             "workers; change one of them"
         )
     check_batch_sizes(args.train_batch_size, args.mini_batch_size, args.n, num_workers, args.sequence_parallel)
+    check_engine(args.rollout_engine)
     check_rollout(args.rollout_engine, args.temperature, args.top_p, args.top_k, args.lora_sync, args.offload)
     check_torchvision()
     check_rollout_correction(args)

@@ -1,4 +1,4 @@
-"""The rollout engines, one interface: `engine.generate(prompts, prompt_mask, max_response_length, ...)`.
+"""The rollout engines, transformers' generate and vLLM, whose interface and registry are in common/engines.py.
 
 Both live inside the policy worker's process and generate from the policy
 as it is at that moment, returning the responses and each sampled token's
@@ -47,11 +47,10 @@ MAX_NUM_SEQS = 256
 
 
 def check_rollout(engine: str, temperature: float, top_p: float, top_k: int, lora_sync: str, offload: bool) -> None:
-    """Before any worker starts: settings that fit the engine, a temperature to sample at, and for vLLM the package
-    itself and sampling settings under which its log-probs mean what the trainer's do."""
-    if engine not in ("hf", "vllm"):
-        raise ValueError(f"rollout engine '{engine}' is not available; use 'hf' or 'vllm'")
-    if engine == "hf" and (offload or lora_sync != "auto"):
+    """Before any worker starts, the engine's name checked (engines.check_engine): settings that fit the engine, a
+    temperature to sample at, and for vLLM the package itself and sampling settings under which its log-probs mean what
+    the trainer's do."""
+    if engine != "vllm" and (offload or lora_sync != "auto"):
         raise ValueError("--offload and --lora-sync act on the vllm engine only; drop them, or add --rollout-engine vllm")
     if not temperature > 0:
         raise ValueError(
@@ -173,6 +172,29 @@ class HFRollout:
             )
         responses = output[:, prompts.shape[1] :]
         return responses, recorder.log_probs(responses)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.policy.dtype
+
+    def load_weights(self, weights) -> None:
+        """Copy (name, tensor) pairs, named as the model's parameters, into the model (an engine apart's own)."""
+        params = dict(self.policy.named_parameters(remove_duplicate=False))
+        received = set()
+        for name, tensor in weights:  # to the end of the stream, whatever arrives: the sender waits for it
+            if name in params:
+                params[name].copy_(tensor)
+                received.add(name)
+        missing = sorted(set(params) - received)
+        if missing:
+            raise RuntimeError(f"the rollout engine received no weights for {missing}: it would generate with stale ones")
+
+    @torch.no_grad()
+    def prompt_log_probs(self, tokens: list[int]) -> torch.Tensor:
+        """log p(token | the tokens before it) for every token of `tokens` but the first, at temperature 1."""
+        logits = self.policy(torch.tensor([tokens], device=self.policy.device)).logits[0, :-1].float()
+        following = torch.tensor(tokens[1:], device=logits.device)
+        return torch.log_softmax(logits, dim=-1).gather(-1, following[:, None]).squeeze(-1).cpu()
 
 
 def shared_prompt_cache(model, prompts, prompt_mask):

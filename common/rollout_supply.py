@@ -47,7 +47,7 @@ class RolloutSupply:
         """Generate from `policy`: itself, or --rollout-workers engines apart from it (common/rollout_workers.py), on
         accelerators of their own of `pool`'s kind, that get their first weights at the first generate.
         `probe_prompts`: rows of load_prompts, the first of which makes the weight probe."""
-        from common.rollout import serves_adapter
+        from common.engines import engine_serves_adapter
         from common.rollout_workers import SplitEngines, probe
 
         args = self.args
@@ -61,7 +61,7 @@ class RolloutSupply:
             on_gpu,
             probe(probe_prompts, self.eos_token_ids, self.tokenizer.pad_token_id, args.max_response_length),
             args.max_rollout_logprob_diff,
-            args.rollout_engine == "vllm" and serves_adapter(lora, args.lora_sync, on_gpu),
+            engine_serves_adapter(args.rollout_engine, lora, args.lora_sync, on_gpu),
             **self._engine_settings(),
             model_path=args.model_path,
             compute_dtype=args.compute_dtype,

@@ -40,6 +40,7 @@ BROKEN_RULES = [
     (dict(num_workers=3), "does not split evenly over --num-workers 3"),
     (dict(temperature=0.0), "--temperature is 0.0: rollouts are sampled, so it must be above 0"),
     (dict(offload=True), "--offload and --lora-sync act on the vllm engine only"),
+    (dict(rollout_engine="sglang"), "rollout engine 'sglang' is not available; use 'hf' or 'vllm' (--rollout-engine)"),
     (dict(log_prob_chunk_tokens=-1), "--log-prob-chunk-tokens is -1; use 0 for all at once, or more"),
     (dict(max_memory_share=1.5, micro_batch_tokens="auto"), "--max-memory-share is 1.5; it is a share of the memory"),
     (dict(max_memory_share=0.5), "--max-memory-share 0.5 sizes the micro-batches of --micro-batch-tokens auto"),

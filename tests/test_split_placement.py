@@ -134,7 +134,7 @@ class BucketedPolicy(PolicyProbe):
 
 class InspectedEngine(RolloutWorker):
     def weights(self) -> dict:
-        return {name: param.detach().clone() for name, param in self.model.named_parameters(remove_duplicate=False)}
+        return {name: param.detach().clone() for name, param in self.rollout.policy.named_parameters(remove_duplicate=False)}
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full-weights", "lora-merged"])

@@ -14,11 +14,12 @@ import torch
 
 from common import weight_sync
 from common.dataproto import DataProto
+from common.engines import EngineContext, make_engine
 from common.fsdp_worker import FSDPWorker, lora_model
 from common.layouts import response_outputs, rows_of
 from common.log_probs import chunked_log_probs, head_outputs_pass_through, response_log_probs
 from common.memory import measured
-from common.rollout import EngineWorker, HFRollout, VLLMRollout, eos_token_ids
+from common.rollout import EngineWorker, eos_token_ids
 
 LOG_PROB_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
 """what the log-prob passes (compute_log_prob, compute_ref_log_prob, the critic's compute_values) read of a batch"""
@@ -76,24 +77,26 @@ class PolicyWorker(FSDPWorker, EngineWorker):
             self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device))
         if rollout_engine is None:  # rollout workers of their own generate (split placement)
             self.rollout = None
-        elif rollout_engine == "hf":
-            self.rollout = HFRollout(self.model, self.tokenizer, self.eos_token_ids, self.pad_token_id)
-        else:
-            self.rollout = VLLMRollout(
-                self.model,
-                self.optimizer,
-                self.eos_token_ids,
-                self.pad_token_id,
-                model_path=model_path,
-                **self.engine_placement(master),
-                seed=settings.get("seed", 1),
-                dtype=getattr(torch, rollout_dtype),
-                gpu_memory_utilization=rollout_gpu_memory_utilization,
-                max_model_len=max_model_len,
-                lora_sync=lora_sync,
-                offload=offload,
-                frozen=not self.trains,
-            )
+            return
+        context = EngineContext(
+            self.model,
+            self.optimizer,
+            self.tokenizer,
+            self.eos_token_ids,
+            self.pad_token_id,
+            model_path,
+            self.device,
+            self.engine_placement(master),
+            seed=settings.get("seed", 1),
+            rollout_dtype=rollout_dtype,
+            compute_dtype=self.compute_dtype,
+            gpu_memory_utilization=rollout_gpu_memory_utilization,
+            max_model_len=max_model_len,
+            lora_sync=lora_sync,
+            offload=offload,
+            frozen=not self.trains,
+        )
+        self.rollout = make_engine(rollout_engine, context)
 
     def _forward(self, model, micro: DataProto, with_entropy: bool):
         """Log-probs (and entropies) of the response tokens, 0 on padding."""

@@ -13,9 +13,10 @@ import torch.distributed as dist
 
 from common import weight_sync
 from common.dataproto import DataProto
+from common.engines import EngineContext, make_engine
 from common.fsdp_worker import compute_dtype_for
 from common.memory import measured
-from common.rollout import EngineWorker, HFRollout, VLLMRollout, eos_token_ids
+from common.rollout import EngineWorker, eos_token_ids
 
 
 class RolloutWorker(EngineWorker):
@@ -44,7 +45,7 @@ class RolloutWorker(EngineWorker):
         """The engine, from `model_path`'s weights: vLLM in `rollout_dtype`, or transformers' generate in
         `compute_dtype`. `adapter_config` (with vLLM): the LoRA adapter it will be sent, which it then serves; without
         it, it receives every weight."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -59,30 +60,28 @@ class RolloutWorker(EngineWorker):
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.eos_token_ids = eos_token_ids(model_path, tokenizer)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
-        if rollout_engine == "hf":
-            dtype = compute_dtype_for(compute_dtype, self.device)
-            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
-            self.rollout = HFRollout(self.model, tokenizer, self.eos_token_ids, self.pad_token_id)
-            return
-        self.rollout = VLLMRollout(
+        context = EngineContext(
             None,
             None,
+            tokenizer,
             self.eos_token_ids,
             self.pad_token_id,
-            model_path=model_path,
-            **self.engine_placement(master),
+            model_path,
+            self.device,
+            self.engine_placement(master),
             seed=seed,
-            dtype=getattr(torch, rollout_dtype),
+            rollout_dtype=rollout_dtype,
+            compute_dtype=compute_dtype_for(compute_dtype, self.device),
             gpu_memory_utilization=rollout_gpu_memory_utilization,
             max_model_len=max_model_len,
             lora_sync="adapter" if adapter_config is not None else "merged",
             adapter_config=adapter_config,
         )
+        self.rollout = make_engine(rollout_engine, context)
 
     def weight_dtype(self) -> str:
         """The dtype the engine keeps its weights in, which the policy sends them in."""
-        dtype = self.rollout.dtype if isinstance(self.rollout, VLLMRollout) else self.model.dtype
-        return str(dtype).removeprefix("torch.")
+        return str(self.rollout.dtype).removeprefix("torch.")
 
     def join_weight_group(self, address: tuple[str, int], size: int) -> None:
         """Join the policy's rank 0 in the weight group, as rank 1 and up (see weight_sync.join_group)."""
@@ -99,18 +98,8 @@ class RolloutWorker(EngineWorker):
         weights = weight_sync.received_tensors(self.weight_group, self.device)
         if self.adapter_config is not None:
             self.rollout.load_adapter(dict(weights), self.adapter_config)
-        elif isinstance(self.rollout, VLLMRollout):
-            self.rollout.load_weights(weights)
         else:
-            params = dict(self.model.named_parameters(remove_duplicate=False))
-            received = set()
-            for name, tensor in weights:  # to the end of the stream, whatever arrives: the sender waits for it
-                if name in params:
-                    params[name].copy_(tensor)
-                    received.add(name)
-            missing = sorted(set(params) - received)
-            if missing:
-                raise RuntimeError(f"the rollout worker received no weights for {missing}: it would generate with stale ones")
+            self.rollout.load_weights(weights)
         self.version = version
         probe_log_probs = self.probe_log_probs(probe, answer_length)
         self.idle_since = time.perf_counter()
@@ -119,11 +108,7 @@ class RolloutWorker(EngineWorker):
     @torch.no_grad()
     def probe_log_probs(self, tokens: list[int], answer_length: int) -> torch.Tensor:
         """The log-probs at temperature 1 of the last `answer_length` of `tokens`, each after those before it."""
-        if isinstance(self.rollout, VLLMRollout):
-            return self.rollout.prompt_log_probs(tokens)[-answer_length:]
-        logits = self.model(torch.tensor([tokens], device=self.device)).logits[0, -answer_length - 1 : -1].float()
-        answer = torch.tensor(tokens[-answer_length:], device=self.device)
-        return torch.log_softmax(logits, dim=-1).gather(-1, answer[:, None]).squeeze(-1).cpu()
+        return self.rollout.prompt_log_probs(tokens)[-answer_length:]
 
     def save(self, path: str) -> None:
         """The engine's randomness, once it generated every batch it was asked before (a checkpoint holds those
