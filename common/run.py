@@ -165,7 +165,7 @@ class Run:
                 f"{args.reward_model_workers} need {args.num_workers + apart} {kind}s, one each; the Ray cluster has {have}: "
                 "lower them or add nodes"
             )
-        return ResourcePool(args.num_workers, use_gpu, max_colocated=max_colocated)
+        return ResourcePool(args.num_workers, use_gpu, max_colocated, args.call_timeout)
 
     def workers(self, worker_cls, name: str, **settings):
         """A group of `worker_cls` on the run's accelerators (or in this process), set up with the run's model

@@ -72,7 +72,7 @@ class Scorer:
 
         args = self.args
         if args.reward_model_workers:
-            self.pool = pool = ResourcePool(args.reward_model_workers, pool.use_gpu)
+            self.pool = pool = ResourcePool(args.reward_model_workers, pool.use_gpu, call_timeout=args.call_timeout)
         model = dict(
             micro_batch_size=args.micro_batch_size,
             micro_batch_tokens=worker_micro_batch_tokens(args, fits_budget=False),
