@@ -159,7 +159,7 @@ def measure_update(
 ) -> dict:
     """Trained tokens a second over TIMED_UPDATES updates of one sequence per micro-batch (or with `lengths`, the two
     lengths between which those of sequences packed into micro-batches are drawn), its MFU, and the peak."""
-    worker.micro_batch_tokens = micro_batch_tokens
+    worker.budget.tokens = micro_batch_tokens
     config = worker.model.config
     if lengths is None:
         batch = update_batch(config.vocab_size, max(1, tokens_per_update // micro_batch_tokens), micro_batch_tokens, prompt)

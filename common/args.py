@@ -262,12 +262,7 @@ def check_args(args: RunArgs) -> None:
         value = getattr(args, field.name)
         if field.metadata.get("positive") and value is not None and not value > 0:
             raise ValueError(f"{flag_name(field.name)} is {value}; it must be above 0")
-    if not args.in_process:  # a cluster's GPUs are counted where its pool is made (ResourcePool)
-        import torch
-
-        gpus = 0 if os.environ.get("RAY_ADDRESS") else torch.cuda.device_count()
-        args.num_workers = count_workers(args.num_workers, gpus)
-    num_workers = 1 if args.in_process else args.num_workers
+    num_workers = 1 if args.in_process else workers_here(args.num_workers)
     if num_workers % args.sequence_parallel:
         raise ValueError(
             f"--sequence-parallel {args.sequence_parallel} does not divide --num-workers {num_workers} into groups of "
@@ -334,6 +329,26 @@ def check_args(args: RunArgs) -> None:
     reward_weights(args.reward_fn, args.reward_weights)
     if not args.train_files:
         raise ValueError("--train-files is missing: name the prompt files to train on (verl-style parquet or jsonl)")
+
+
+def workers_here(requested: int | None) -> int:
+    """--num-workers on this machine (count_workers); on a Ray cluster (RAY_ADDRESS set) its GPUs are counted where
+    its pool is made (ResourcePool), so this machine's count none."""
+    import torch
+
+    return count_workers(requested, 0 if os.environ.get("RAY_ADDRESS") else torch.cuda.device_count())
+
+
+def resolve_args(args: RunArgs) -> RunArgs:
+    """What the flags become on this machine, decided once at start-up (after check_args) into a copy that the run
+    reads: --num-workers counted (workers_here), and --model-path, --reward-model and --judge-model given as a
+    packaged model's short name (common/pretrained.py) as its prepared folder. `args` stays as the command line gave
+    it; --micro-batch-tokens auto becomes a number in the workers (worker_micro_batch_tokens)."""
+    from common.pretrained import resolve
+
+    num_workers = args.num_workers if args.in_process else workers_here(args.num_workers)
+    models = {name: resolve(getattr(args, name)) for name in ("model_path", "reward_model", "judge_model")}
+    return dataclasses.replace(args, num_workers=num_workers, **models)
 
 
 def worker_micro_batch_tokens(args: RunArgs, fits_budget: bool) -> int:

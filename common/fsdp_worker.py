@@ -25,8 +25,8 @@ from common.attention import register as register_flex
 from common.dataproto import DataProto
 from common.layouts import Layout, balanced_parts, packing_gap, part_loads
 from common.loading import fill_shards, init_missing, replay_lora_init, safetensors_files
-from common.memory import machine_memory_bytes
-from common.micro_batch_budget import MemoryBudget
+from common.memory import machine_memory_bytes, peak_memory_gb, restart_peak_memory
+from common.micro_batch_budget import MemoryBudget, made_up_sequence
 from common.sequence_parallel import ATTENTION as ULYSSES
 from common.sequence_parallel import register as register_sequence_parallel
 from common.update_metrics import MAX, MIN, accumulate
@@ -44,9 +44,9 @@ def lr_factor(update: int, warmup_steps: int, decay_steps: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * progress))
 
 
-class FSDPWorker(MemoryBudget, Worker):
+class FSDPWorker(Worker):
     """What the policy and the critic share: distributed setup, FSDP2 sharding, optimisation, micro-batches sized to
-    the memory (MemoryBudget)."""
+    the memory (its MemoryBudget, `budget`)."""
 
     language_model = True  # its output is logits over the vocabulary (see response_outputs)
     packs = True  # its micro-batches may be packed (response_outputs), where the model keeps packed sequences apart
@@ -96,7 +96,7 @@ class FSDPWorker(MemoryBudget, Worker):
         self._init_distributed(master, seed, sequence_parallel)
         self.model_path, self.max_grad_norm, self.lora = model_path, max_grad_norm, lora_rank > 0
         self.epochs, self.mini_batch_size, self.micro_batch_size = epochs, mini_batch_size, micro_batch_size
-        self.micro_batch_tokens = micro_batch_tokens
+        self.budget = MemoryBudget(micro_batch_tokens, self.device, self._all_reduce_max, type(self).__name__)
         # FlexAttention where SDPA would take a dense mask (see set_up_block_masks); SDPA until a forward gets a block mask
         if self.attention == "sdpa" and flex_available():
             self.attention = register_flex()
@@ -288,13 +288,14 @@ class FSDPWorker(MemoryBudget, Worker):
         """The rows of each micro-batch of `data`: `micro_batch_size` rows at a time, or with `micro_batch_tokens`, the
         fewest micro-batches of at most that many tokens each, balanced by tokens (balanced_parts). Every rank takes
         as many micro-batches as the rank that needs most: FSDP's collectives run once per forward on every rank."""
-        if not self.micro_batch_tokens:
+        budget = self.budget.tokens
+        if not budget:
             return [
                 np.arange(i, min(i + self.micro_batch_size, len(data))) for i in range(0, len(data), self.micro_batch_size)
             ]
         lengths = data["attention_mask"].sum(-1).tolist()
-        count = math.ceil(sum(lengths) / self.micro_batch_tokens)
-        while count < len(lengths) and max(part_loads(lengths, balanced_parts(lengths, count))) > self.micro_batch_tokens:
+        count = math.ceil(sum(lengths) / budget)
+        while count < len(lengths) and max(part_loads(lengths, balanced_parts(lengths, count))) > budget:
             count += 1
         return balanced_parts(lengths, int(self._all_reduce_max(count)))
 
@@ -323,7 +324,8 @@ class FSDPWorker(MemoryBudget, Worker):
         history, all_shares = defaultdict(list), []
         for _ in range(self.epochs):
             for mini, tokens, seqs in zip(minis, counts[::2], counts[1::2]):
-                all_shares.append(self._within_memory(partial(self._gradients, mini, loss_fn, forward, tokens, seqs)))
+                gradients = partial(self._gradients, mini, loss_fn, forward, tokens, seqs)
+                all_shares.append(self.budget.within(gradients, self._drop_gradients, speaks=self.rank == 0))
                 grad_norm = self._clip_grad_norm()
                 if math.isfinite(grad_norm):
                     self.optimizer.step()
@@ -345,7 +347,7 @@ class FSDPWorker(MemoryBudget, Worker):
             metrics |= {key: sign * peak for (key, sign), peak in zip(extremes, tensor.tolist())}
         metrics["skipped_updates"] = float(np.sum(history["skipped_updates"]))
         metrics["lr"] = self.scheduler.get_last_lr()[0]
-        return metrics | self._memory_metrics()
+        return metrics | self.budget.metrics()
 
     def _gradients(self, mini: DataProto, loss_fn, forward, tokens: float, seqs: float) -> dict:
         """The gradients of mini-batch `mini` (of `tokens` and `seqs` over all ranks), added up over its micro-batches;
@@ -366,6 +368,65 @@ class FSDPWorker(MemoryBudget, Worker):
         tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return tensor.item()
+
+    def _drop_gradients(self) -> None:
+        """What a mini-batch cut short by running out of memory leaves: its gradients, and its units gathered."""
+        from torch.distributed.fsdp import FSDPModule
+
+        self.optimizer.zero_grad(set_to_none=True)
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    def keep_memory_within(self, share: float, colocated: int) -> int:
+        """From now on, keep updates within `share` of the memory, split among the `colocated` groups' processes that
+        share it (MemoryBudget.keep_within). Returns the limit in bytes."""
+        return self.budget.keep_within(share, colocated, self.world_size)
+
+    def fit_micro_batch_tokens(self, max_prompt_length: int, max_response_length: int) -> dict[str, float]:
+        """Set the micro-batch token budget to what keeps an update within the memory limit (keep_memory_within), from
+        a forward and backward (the outputs' sum as the loss) over a made-up sequence half as long as the longest
+        prompt and response, then one that long (MemoryBudget.fit): no optimiser step, and the gradients dropped after
+        each. AdamW's state, made at its first step, and its step's temporaries count as three copies of the trainable
+        weights. Rank 0 prints the budget. Returns this rank's budget and measurements, in tokens and bytes."""
+        longest = max_prompt_length + max_response_length
+        # Rows as wide as the longest sequence, whatever setup was told; decided first, so that what the block masks'
+        # check leaves in memory (FlexAttention's compiled kernels) is in the measurement
+        self.set_up_block_masks(longest)
+        vocab_size = self.model.config.vocab_size
+        half = made_up_sequence(vocab_size, max(1, max_prompt_length // 2), max(1, max_response_length // 2))
+        whole = made_up_sequence(vocab_size, max_prompt_length, max_response_length)
+        try:
+            self._probe_peak(half)  # what a first pass makes once (FSDP's buffers, autograd's threads) is no activation
+            probes = [(half["input_ids"].shape[1], self._probe_peak(half)), (longest, self._probe_peak(whole))]
+        except torch.OutOfMemoryError as error:
+            raise ValueError(self.budget.does_not_fit(longest, "ran out of the GPU's memory")) from error
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        weight_bytes = sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in trainable)
+        # AdamW's two moments once it has stepped, and its step's foreach temporaries, about one more copy.
+        optimizer_bytes = (0 if self.optimizer.state else 2 * weight_bytes) + weight_bytes
+        fitted = self.budget.fit(probes, optimizer_bytes, longest)
+        if self.rank == 0:
+            print(
+                f"{type(self).__name__}: micro-batches of at most {fitted['tokens']} tokens (--micro-batch-tokens auto): "
+                f"an update measured {fitted['fixed_bytes'] / 2**30:.2f} GB + {fitted['per_token_bytes'] / 2**20:.3f} MB "
+                f"per token, with {optimizer_bytes / 2**30:.2f} GB for the optimiser, within "
+                f"{fitted['limit_bytes'] / 2**30:.2f} GB a worker; attention: {self.attention_kernel}",
+                flush=True,
+            )
+        return fitted
+
+    def _probe_peak(self, sequence: DataProto) -> float:
+        """The peak bytes of one forward and backward of the update over `sequence`; its gradients are then dropped."""
+        self.model.train()
+        restart_peak_memory(self.device, live_only=True)
+        outputs = self._update_forward(sequence.to(self.device))
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        sum(output.float().sum() for output in outputs if output is not None).backward()
+        peak = peak_memory_gb(self.device) * 2**30
+        self.model.zero_grad(set_to_none=True)
+        self.model.reshard()
+        return peak
 
     def _clip_grad_norm(self) -> float:
         params = [p for p in self.model.parameters() if p.requires_grad]

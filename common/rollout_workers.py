@@ -35,7 +35,7 @@ class SplitEngines:
     def __init__(self, policy, count: int, use_gpu: bool, probe: DataProto, logprob_bound: float, sends_adapter: bool,
                  **engine_settings):  # fmt: skip
         self.policy, self.probe, self.logprob_bound, self.sends_adapter = policy, probe, logprob_bound, sends_adapter
-        self.pool = ResourcePool(count, use_gpu)
+        self.pool = ResourcePool(count, use_gpu, call_timeout=engine_settings["call_timeout"])
         adapter_config = policy.broadcast("adapter_config")[0] if sends_adapter else None
         self.group = WorkerGroup(RolloutWorker, self.pool, "rollout", adapter_config=adapter_config, **engine_settings)
         self.dtype = self.group.broadcast("weight_dtype")[0]  # what the policy sends the weights in

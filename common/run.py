@@ -23,7 +23,7 @@ import shlex
 import sys
 import time
 
-from common.args import RunArgs, check_args, flag, load_tokenizer, worker_micro_batch_tokens
+from common.args import RunArgs, check_args, flag, load_tokenizer, resolve_args, worker_micro_batch_tokens
 
 __all__ = ["Run", "RunArgs", "flag"]  # RunArgs and flag are the scripts' to import from here too
 
@@ -41,33 +41,42 @@ class Run:
     def __init__(self, args: RunArgs, worker_groups: int = 1, prompts_per_batch: int | None = None, supervised: bool = False):
         import torch
 
-        from common.checkpoint import check_config, find_checkpoint
         from common.console import start_console
-        from common.data import PromptLoader, load_prompts
-        from common.envs import episode_spec, load_environments
-        from common.pretrained import resolve as resolve_model
         from common.rollout import eos_token_ids
-        from common.rollout_supply import RolloutSupply
-        from common.scoring import Scorer
         from common.sequence_parallel import check_heads
-        from common.tracking import Tracker
-        from common.transcripts import TranscriptLoader, load_transcripts
 
         # Everything that can be wrong with the input fails here, before any worker starts.
-        self.algo, self.args = algorithm_name(sys.argv[0]), args
+        self.algo, self.supervised = algorithm_name(sys.argv[0]), supervised
         check_args(args)
+        self.args = args = resolve_args(args)  # what the flags become on this machine, decided once; `args` is this copy
         self.run_prefix = f"{self.algo}__{args.exp_name}__{args.seed}"
         sys.excepthook = self._report_stop
         torch.manual_seed(args.seed)
-        args.model_path = resolve_model(args.model_path)
         if args.sequence_parallel > 1:
             check_heads(args.model_path, args.sequence_parallel)
         self.tokenizer = load_tokenizer(args.model_path, chat_template=args.chat_template)
         self.eos_token_ids = eos_token_ids(args.model_path, self.tokenizer)
+        environments = self._load_data(prompts_per_batch or args.train_batch_size, prompts_per_batch is None)
+        self.tracker = self._tracker()
+        start_console(self.tracker.run_dir)  # the console a person reads; all of it in the run's folder
+        self._start(worker_groups, environments)
+        self.groups = {}
+        self.start_step, self.first_val, self.last_val, self.bad_steps = 1, None, None, 0
+        self.resumed, self.stop, self.step_start, self.postfix, self.last_step = False, None, 0.0, {}, 0
+        self.stopping = False  # a stop request seen when end_step decided whether to save
+
+    def _load_data(self, batch_size: int, batch_size_is_flag: bool):
+        """The train and validation loaders (prompts, or a supervised run's transcripts) and the scorer that checks
+        the prompts' data sources; --total-epochs turns into steps here. Returns the environments of --env/--tools."""
+        from common.data import PromptLoader, load_prompts
+        from common.envs import episode_spec, load_environments
+        from common.scoring import Scorer
+        from common.transcripts import TranscriptLoader, load_transcripts
+
+        args, environments = self.args, None
         pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.supervised, loader = supervised, TranscriptLoader if supervised else PromptLoader
-        environments = None
-        if supervised:
+        loader = TranscriptLoader if self.supervised else PromptLoader
+        if self.supervised:
             self.scorer, lengths = None, (args.max_prompt_length, args.max_response_length)
             train_data = load_transcripts(args.train_files, self.tokenizer, self.eos_token_ids, *lengths)
             val_data = train_data
@@ -85,9 +94,8 @@ class Run:
                 val_data = load_prompts(args.val_files, self.tokenizer, args.max_prompt_length, overlong, envs)
             self.scorer.check_prompts(train_data, val_data)
             self.val_name = "held-out accuracy" if args.val_files else "accuracy on the training prompts (no --val-files)"
-        batch_size = prompts_per_batch or args.train_batch_size
         if batch_size > len(train_data):
-            flag = "--train-batch-size" if prompts_per_batch is None else "the prompts drawn per round (--gen-batch-size)"
+            flag = "--train-batch-size" if batch_size_is_flag else "the prompts drawn per round (--gen-batch-size)"
             raise ValueError(
                 f"{flag} is {batch_size} prompts, more than the {len(train_data)} in --train-files "
                 f"{' '.join(args.train_files)}: lower it, or add prompts"
@@ -96,8 +104,16 @@ class Run:
         epoch_steps = None if args.total_epochs is None else args.total_epochs * len(self.train_loader)
         if epoch_steps is not None and epoch_steps < args.total_steps:  # whichever comes first
             print(f"--total-epochs {args.total_epochs} of {len(self.train_loader)} batches each: {epoch_steps} steps")
-            args.total_steps = epoch_steps
+            self.args = dataclasses.replace(args, total_steps=epoch_steps)
         self.val_loader = loader(val_data, args.val_batch_size, pad_token_id, shuffle=False, drop_last=False)
+        return environments
+
+    def _tracker(self):
+        """The checkpoint to resume (--resume), checked against these settings, and the run's folder and logs."""
+        from common.checkpoint import check_config, find_checkpoint
+        from common.tracking import Tracker
+
+        args = self.args
         self.resume_from = find_checkpoint(args.resume, args.runs_dir, self.run_prefix)
         if self.resume_from is not None:
             check_config(self.resume_from, args, args.force_resume)
@@ -107,29 +123,28 @@ class Run:
         script = sys.argv[0] if sys.argv[0].endswith(".py") else None
         # the code that made the curve, and in wandb the experiment's group with the algorithm as a tag
         provenance = dict(script=script, group=args.exp_name, tags=(self.algo,))
-        self.tracker = Tracker(
+        return Tracker(
             self.run_prefix, dataclasses.asdict(args), self.resume_from, **wandb, runs_dir=args.runs_dir, **provenance
         )
-        start_console(self.tracker.run_dir)  # the console a person reads; all of it in the run's folder
 
-        reward_workers = args.reward_workers
+    def _start(self, worker_groups: int, environments) -> None:
+        """Ray and the accelerators' pool, the scorer's processes and the supply of rollouts (or of transcripts)."""
+        from common.rollout_supply import RolloutSupply
+
+        args, reward_workers = self.args, self.args.reward_workers
         if reward_workers is None:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # not on macOS
             reward_workers = 0 if args.in_process else min(cores, 16)
-        colocated = not supervised and self.scorer.by_model and not args.reward_model_workers  # a scorer beside the policy
+        colocated = not self.supervised and self.scorer.by_model and not args.reward_model_workers  # a scorer beside it
         self.pool = None if args.in_process else self._start_pool(max_colocated=worker_groups + colocated)
         self.rollouts = None
-        if supervised:
+        if self.supervised:
             self.train_batches = self.train_loader.forever()
         else:
             self.scorer.start(self.pool, reward_workers)
             self.rollouts = RolloutSupply(
                 args, self.tokenizer, self.eos_token_ids, self.train_loader, environments, reward_workers
             )
-        self.groups = {}
-        self.start_step, self.first_val, self.last_val, self.bad_steps = 1, None, None, 0
-        self.resumed, self.stop, self.step_start, self.postfix, self.last_step = False, None, 0.0, {}, 0
-        self.stopping = False  # a stop request seen when end_step decided whether to save
 
     def _start_pool(self, max_colocated: int):
         """Ray, and one bundle per policy worker on its accelerators, shared by `max_colocated` worker groups."""
@@ -150,11 +165,12 @@ class Run:
                 f"{args.reward_model_workers} need {args.num_workers + apart} {kind}s, one each; the Ray cluster has {have}: "
                 "lower them or add nodes"
             )
-        return ResourcePool(args.num_workers, use_gpu, max_colocated=max_colocated)
+        return ResourcePool(args.num_workers, use_gpu, max_colocated, args.call_timeout)
 
     def workers(self, worker_cls, name: str, **settings):
         """A group of `worker_cls` on the run's accelerators (or in this process), set up with the run's model
         and optimiser settings, each overridden by `settings`."""
+        from common.pretrained import resolve as resolve_model
         from common.worker_group import WorkerGroup
 
         args = self.args
@@ -177,7 +193,9 @@ class Run:
             lora_target_modules=args.lora_target_modules,
             sequence_parallel=args.sequence_parallel,
         )
-        group = self.groups[name] = WorkerGroup(worker_cls, self.pool, name, args.call_timeout, **(defaults | settings))
+        settings = defaults | settings
+        settings["model_path"] = resolve_model(settings["model_path"])  # a model of the group's own (PPO's critic) too
+        group = self.groups[name] = WorkerGroup(worker_cls, self.pool, name, args.call_timeout, **settings)
         if args.micro_batch_tokens == "auto":  # measured once all of the worker is in memory (its engine too)
             share = 0.8 if args.max_memory_share is None else args.max_memory_share
             group.broadcast("keep_memory_within", share, 1 if self.pool is None else self.pool.max_colocated)

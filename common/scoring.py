@@ -13,19 +13,16 @@ class Scorer:
     policy's, which decodes the responses."""
 
     def __init__(self, args, tokenizer):
-        from common.pretrained import resolve as resolve_model
         from common.rewards import load_reward_fn, reward_weights
 
         self.args, self.tokenizer = args, tokenizer
         self.by_model = args.reward_model is not None or args.judge_model is not None
         if args.reward_model is not None:
-            args.reward_model = resolve_model(args.reward_model)
             self.reward_model_tokenizer = load_tokenizer(args.reward_model, "--reward-model")
             check_reward_model(args.reward_model)
         if args.judge_model is not None:
             from common.judge import load_template, verdict_token_ids  # here: the module imports torch
 
-            args.judge_model = resolve_model(args.judge_model)
             self.judge_tokenizer = load_tokenizer(args.judge_model, "--judge-model")
             self.judge_template = load_template(args.judge_template)
             if args.judge_mode == "probability":
@@ -75,7 +72,7 @@ class Scorer:
 
         args = self.args
         if args.reward_model_workers:
-            self.pool = pool = ResourcePool(args.reward_model_workers, pool.use_gpu)
+            self.pool = pool = ResourcePool(args.reward_model_workers, pool.use_gpu, call_timeout=args.call_timeout)
         model = dict(
             micro_batch_size=args.micro_batch_size,
             micro_batch_tokens=worker_micro_batch_tokens(args, fits_budget=False),

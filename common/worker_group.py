@@ -253,9 +253,11 @@ class ResourcePool:
     in bundle i, on the same accelerator.
     """
 
-    def __init__(self, num_workers: int, use_gpu: bool, max_colocated: int = 1):
+    def __init__(self, num_workers: int, use_gpu: bool, max_colocated: int = 1, call_timeout: float = 60.0):
+        """Waits for the cluster to give the bundles: it says so after `call_timeout` (--call-timeout) and gives up
+        after FIRST_CALL times that, where other jobs hold them (or no node has a GPU and a CPU free together)."""
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, remove_placement_group
 
         need = {"GPU" if use_gpu else "CPU": num_workers}
         have = ray.cluster_resources()
@@ -268,7 +270,18 @@ class ResourcePool:
         self.num_workers, self.use_gpu, self.max_colocated = num_workers, use_gpu, max_colocated
         bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
         self.placement_group = placement_group([bundle] * num_workers, strategy="PACK")
-        ray.get(self.placement_group.ready())
+        ready = self.placement_group.ready()
+        if ray.wait([ready], timeout=call_timeout)[0]:
+            return
+        waiting = f"{num_workers} x {bundle} for the workers from the Ray cluster, whose free resources are now"
+        print(f"waiting for {waiting} {ray.available_resources()}: other jobs hold them?", flush=True)
+        if not ray.wait([ready], timeout=(FIRST_CALL - 1) * call_timeout)[0]:
+            remove_placement_group(self.placement_group)
+            raise RuntimeError(
+                f"no {waiting} {ray.available_resources()} after {FIRST_CALL * call_timeout:g} s "
+                f"({FIRST_CALL} x --call-timeout): free them, or lower --num-workers (and --rollout-workers, "
+                "--reward-model-workers)"
+            )
 
     def shutdown(self) -> None:
         from ray.util.placement_group import remove_placement_group
@@ -436,11 +449,13 @@ class WorkerGroup:
 
         for worker in self.workers:
             ray.kill(worker)
-        for worker in self.workers:
+        for rank, worker in enumerate(self.workers):
             try:
-                ray.get(worker.__ray_ready__.remote())
+                ray.get(worker.__ray_ready__.remote(), timeout=self.call_timeout)
             except _died():  # already
                 pass
+            except ray.exceptions.GetTimeoutError:  # its node out of reach: Ray ends it once it hears from it again
+                print(f"the {self.name} worker rank {rank}, killed, was not seen to end in --call-timeout; going on")
         for node, _, stack_file in self.processes:
             if node == node_address():
                 Path(stack_file).unlink(missing_ok=True)

@@ -401,6 +401,28 @@ def test_a_rank_that_stops_answering_is_named_with_its_stack_or_as_stopped(cpu_p
         group.shutdown()
 
 
+def test_a_pool_the_cluster_cannot_give_says_so_then_gives_up(ray_cluster, capsys):
+    """Every free CPU held by another job: the pool says what it waits for after --call-timeout (here 0.1 s) and gives
+    up after 30 times that, its placement group removed."""
+    import ray
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+    from common.worker_group import ResourcePool
+
+    other_job = placement_group([{"CPU": 1}] * int(ray.available_resources()["CPU"]))
+    ray.get(other_job.ready())
+    try:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"no 1 x \{'CPU': 1\} for the workers from the Ray cluster, .* after 3 s "
+                           r"\(30 x --call-timeout\): free them, or lower --num-workers"):  # fmt: skip
+            ResourcePool(1, use_gpu=False, call_timeout=0.1)
+        assert time.monotonic() - start < 10
+        assert "waiting for 1 x {'CPU': 1} for the workers from the Ray cluster" in capsys.readouterr().out
+        assert not [group for group in placement_group_table().values() if group["state"] == "PENDING"]  # none left waiting
+    finally:
+        remove_placement_group(other_job)
+
+
 def stopped_and_reported(tmp_path, group: str, actor: str, *flags, algo="grpo"):
     """After the run's first step, stop a worker of `group` (its class `actor`) with SIGSTOP: the run must stop within
     the bound (--call-timeout 10 s, the calls of the tiny model measured shorter) plus the time to say so, naming the

@@ -27,9 +27,9 @@ LONGEST = PROMPT + RESPONSE
 
 
 class BudgetProbe(PolicyWorker):
-    def set(self, **settings) -> None:
-        for name, value in settings.items():
-            setattr(self, name, value)
+    def set_budget(self, **state) -> None:
+        for name, value in state.items():
+            setattr(self.budget, name, value)
 
     def give_back_freed_memory(self) -> None:
         restart_peak_memory(self.device, live_only=True)
@@ -80,7 +80,7 @@ def test_auto_budget_keeps_within_the_share_and_an_update_over_it_retries_at_hal
         group.broadcast("set_up_block_masks", LONGEST)
         peak = {}
         for sequences in (8, 4):  # the smaller after the larger, as a retry comes after the attempt over the limit
-            group.broadcast("set", micro_batch_tokens=sequences * LONGEST)
+            group.broadcast("set_budget", tokens=sequences * LONGEST)
             group.broadcast("give_back_freed_memory")
             update()
             peak[sequences] = max(rank["update"] for rank in group.broadcast("phase_peak_memory")) * 2**30
@@ -94,13 +94,13 @@ def test_auto_budget_keeps_within_the_share_and_an_update_over_it_retries_at_hal
         assert auto["memory_retries"] == 0 and auto["micro_batch_tokens"] == fit["tokens"]
 
         group.broadcast("load", str(tmp_path / "before"))
-        group.broadcast("set", micro_batch_tokens=8 * LONGEST)
+        group.broadcast("set_budget", tokens=8 * LONGEST)
         retried = update()[0]
         assert retried["memory_retries"] == 1 and retried["micro_batch_tokens"] == 4 * LONGEST
         after_retry = group.broadcast("full_state_dict")[0]
 
         group.broadcast("load", str(tmp_path / "before"))
-        group.broadcast("set", micro_batch_tokens=4 * LONGEST, memory_limit=None)  # the half budget, no limit kept
+        group.broadcast("set_budget", tokens=4 * LONGEST, limit=None)  # the half budget, no limit kept
         half = update()[0]
         for key in ("loss", "grad_norm"):
             assert retried[key] == pytest.approx(half[key], rel=1e-5)
@@ -110,7 +110,7 @@ def test_auto_budget_keeps_within_the_share_and_an_update_over_it_retries_at_hal
         # Both over: the limit halfway between what an update holds for no tokens (the fitted line's fixed part) and
         # the half budget's peak (one gap below that peak ran over by 90 MB only, once in three runs here)
         over_twice = int((fit["fixed_bytes"] + peak[4]) / 2)
-        group.broadcast("set", micro_batch_tokens=8 * LONGEST, memory_limit=over_twice)
+        group.broadcast("set_budget", tokens=8 * LONGEST, limit=over_twice)
         # the error of whichever rank the scatter hears from first: the one over its share, or one that heard of it
         over = "the resident set peaked at .* GB, over the .* GB a worker may use|another rank ran out of memory at"
         with pytest.raises(Exception, match=over):

@@ -192,8 +192,10 @@ def test_failures_are_printed_once_per_kind_and_too_many_stop_the_run(tokenizer,
 def test_reward_processes_survive_what_a_reward_does(tmp_path, tokenizer, capsys):
     """Each of these fails its own sample only, and the processes score the next batch as before."""
     (tmp_path / "wild.py").write_text(
-        "import ctypes, os, re, sys, time\n"
+        "import ctypes, os, re, signal, sys, time\n"
         "def score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    if solution_str == '0':\n"
+        "        os.kill(os.getpid(), signal.SIGSTOP)  # stopped, as by a SIGSTOP from outside: it never answers\n"
         "    if solution_str == '1':\n"
         "        ctypes.string_at(0)  # a segfault\n"
         "    if solution_str == '2':\n"
@@ -211,10 +213,10 @@ def test_reward_processes_survive_what_a_reward_does(tmp_path, tokenizer, capsys
     REPORTED_FAILURES.clear()
     pool = CallProcesses(f"{tmp_path}/wild.py:score", 2, REWARD_CALLS, timeout=1.0)
     try:
-        texts = ["1", "2", "3", "4", "5", "6"] + ["7"] * 10  # sent two at a time: a killed call's partner goes again
+        texts = ["0", "1", "2", "3", "4", "5", "6"] + ["7"] * 10  # sent two at a time: a killed call's partner goes again
         scores, metrics, extras = score(batch_of(tokenizer, texts, texts), tokenizer, pool)
-        assert scores.tolist() == [0.0] * 6 + [1.0] * 10
-        assert metrics == {"reward/errors": 4, "reward/timeouts": 2, "reward/unscored": 0}
+        assert scores.tolist() == [0.0] * 7 + [1.0] * 10
+        assert metrics == {"reward/errors": 4, "reward/timeouts": 3, "reward/unscored": 0}
         printed = capsys.readouterr().err
         assert "died with exit code -11" in printed and "SystemExit: 4" in printed and "pickle" in printed
         assert printed.count("died with exit code") == 1  # the second death, os._exit's, is the same kind

@@ -228,7 +228,7 @@ def test_an_update_out_of_the_gpus_memory_retries_at_half_the_budget(device, tin
         )
         reserved = []
         for sequences in (2, 4):
-            worker.micro_batch_tokens = sequences * length
+            worker.budget.tokens = sequences * length
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             grpo_update(worker, batch)
@@ -237,7 +237,7 @@ def test_an_update_out_of_the_gpus_memory_retries_at_half_the_budget(device, tin
         torch.cuda.empty_cache()  # what the cache keeps would serve the update at 4 without asking for more
         try:
             torch.cuda.set_per_process_memory_fraction(sum(reserved) / 2 / torch.cuda.get_device_properties(0).total_memory)
-            worker.micro_batch_tokens = 4 * length
+            worker.budget.tokens = 4 * length
             metrics = grpo_update(worker, batch)
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0)
