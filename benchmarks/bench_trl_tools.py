@@ -26,6 +26,7 @@ TRL is never a dependency of hybridrl: give it an environment of its own and nam
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -168,13 +169,19 @@ if __name__ == "__main__":
         "--save",
         str(saved),
     ]
+    log = work / "trl.log"
+    print(f"TRL's output, written as it runs (its steps and their step_time): {log}", flush=True)
     started = time.perf_counter()
-    result = subprocess.run([*command, "--steps", str(steps), "--seed", str(args.seed)], capture_output=True, text=True)
+    with open(log, "w") as output:  # written as it runs, so that a run stopped early still shows how far it got
+        unbuffered = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        result = subprocess.run(
+            [*command, "--steps", str(steps), "--seed", str(args.seed)], stdout=output, stderr=output, env=unbuffered
+        )
     trl_seconds = time.perf_counter() - started
-    (work / "trl.log").write_text(result.stdout + result.stderr)
+    lines = log.read_text().splitlines()
     if result.returncode != 0:
-        raise RuntimeError(f"TRL's run failed (log in {work / 'trl.log'}):\n{result.stderr[-3000:]}")
-    trl = json.loads(result.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"TRL's run failed (log in {log}):\n" + "\n".join(lines[-40:]))
+    [trl] = [json.loads(line) for line in lines if line.startswith('{"step_seconds"')]
     # TRL's model judged as bench_tool_learning.py judged ours: grpo_hybrid.py's validation before its first step
     folder = work / "trl_after"
     folder.mkdir()
