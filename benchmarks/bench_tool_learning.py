@@ -6,7 +6,8 @@ which the model cannot compute in its head, and `multiply(a, b)`, which it learn
 them, each in a process of its own, and the accuracies are read from their metrics.jsonl:
 
 1. the base model, `grpo_hybrid.py --model-path smollm2 --tools multiply --chat-template chatml_tools`: its validation
-   before the first step (greedy, the same for every seed, so measured once);
+   before the first step (greedy, the same for every seed, so measured once); and without the tool (its own chat
+   template, one turn: the product in its head);
 2. the warm start, `sft_hybrid.py --model-path smollm2 --total-steps 2`: the demo's transcripts and defaults but two
    steps (32 transcripts), so that it teaches the call's format without saturating the task; its exported model's
    accuracy is GRPO's validation before its first step;
@@ -42,9 +43,10 @@ GRPO = dict(
 )
 
 
-def grpo_flags(steps: int) -> list[str]:
+def grpo_flags(steps: int, tool: bool = True) -> list[str]:
     return [
-        "--tools", "multiply", "--max-turns", str(GRPO["max_turns"]), "--total-steps", str(steps), "--test-freq", str(steps),
+        *(["--tools", "multiply", "--max-turns", str(GRPO["max_turns"])] if tool else []),
+        "--total-steps", str(steps), "--test-freq", str(steps),
         "--train-batch-size", str(GRPO["prompts"]), "--mini-batch-size", str(GRPO["prompts"]), "--n", str(GRPO["samples"]),
         "--lora-rank", str(GRPO["lora_rank"]), "--lora-alpha", str(GRPO["lora_alpha"]), "--lr", str(GRPO["lr"]),
         "--kl-loss-coef", str(GRPO["kl"]), "--max-prompt-length", str(GRPO["prompt_tokens"]),
@@ -95,16 +97,22 @@ if __name__ == "__main__":
     pq.write_table(pq.read_table(val_file).slice(0, args.val_problems), val_subset)
     data = ["--train-files", train_file, "--val-files", str(val_subset)]
 
-    base, base_seconds = None, None
+    base, base_seconds, alone, alone_seconds = None, None, None, None
     if not args.skip_base:
+        # One step of 2 prompts x 2 samples: the script validates before it, and that is the figure read.
+        one_step = ["--train-batch-size", "2", "--mini-batch-size", "2", "--n", "2"]
         folder = work / "base"
         folder.mkdir()
-        # One step of 2 prompts x 2 samples: the script validates before it, and that is the figure read.
-        base_flags = [*grpo_flags(1), "--train-batch-size", "2", "--mini-batch-size", "2", "--n", "2"]
         model = ["--model-path", "smollm2", "--chat-template", "chatml_tools"]
-        rows, _, base_seconds = run_script("grpo_hybrid.py", [*model, *data, *base_flags], folder)
+        rows, _, base_seconds = run_script("grpo_hybrid.py", [*model, *data, *grpo_flags(1), *one_step], folder)
         base = accuracies(rows)[0]
-        print(f"base model: {base:.1%} ({base_seconds:.0f} s)", flush=True)
+        print(f"base model with the tool: {base:.1%} ({base_seconds:.0f} s)", flush=True)
+        folder = work / "base_without_the_tool"  # its own chat template, one turn: the product in its head
+        folder.mkdir()
+        flags = ["--model-path", "smollm2", *data, *grpo_flags(1, tool=False), *one_step]
+        rows, _, alone_seconds = run_script("grpo_hybrid.py", flags, folder)
+        alone = accuracies(rows)[0]
+        print(f"base model without the tool: {alone:.1%} ({alone_seconds:.0f} s)", flush=True)
 
     results = []
     for seed in args.seeds:
@@ -135,8 +143,10 @@ if __name__ == "__main__":
     problems = f"{args.val_problems} held-out problems, greedy"
     base_text = "left out" if base is None else f"{base:.1%}"
     base_run = "left out" if base is None else f"{base_seconds:.0f} s for its whole run"
+    alone_run = "left out" if alone is None else f"{alone:.1%}, {alone_seconds:.0f} s for its whole run"
     lines = [
-        f"{cpu}; base model: `grpo_hybrid.py`'s validation before its first step ({base_run})",
+        f"{cpu}; base model: `grpo_hybrid.py`'s validation before its first step ({base_run}); without the tool "
+        f"({alone_run})",
         "",
         f"| seed | base model ({problems}) | after the warm start ({args.sft_steps} steps) "
         f"| after GRPO ({args.grpo_steps} steps) | warm start's wall time | GRPO's wall time | GRPO's seconds per step |",
@@ -150,6 +160,8 @@ if __name__ == "__main__":
     table = "\n".join(lines)
     print("\n" + table)
     Path(args.out).write_text(table + "\n")
-    summary = dict(cpu=cpu, settings=vars(args) | {"grpo": GRPO}, base=base, base_seconds=base_seconds, seeds=results)
+    without = dict(base_without_the_tool=alone, base_without_the_tool_seconds=alone_seconds)
+    settings = vars(args) | {"grpo": GRPO}
+    summary = dict(cpu=cpu, settings=settings, base=base, base_seconds=base_seconds, **without, seeds=results)
     Path(args.out).with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"written: {args.out} and {Path(args.out).with_suffix('.json')}; runs in {work}")
