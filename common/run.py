@@ -56,7 +56,7 @@ class Run:
             check_heads(args.model_path, args.sequence_parallel)
         self.tokenizer = load_tokenizer(args.model_path, chat_template=args.chat_template)
         self.eos_token_ids = eos_token_ids(args.model_path, self.tokenizer)
-        environments = self._load_data(prompts_per_batch or args.train_batch_size, prompts_per_batch is None)
+        environments = self._load_data(prompts_per_batch)
         self.tracker = self._tracker()
         start_console(self.tracker.run_dir)  # the console a person reads; all of it in the run's folder
         self._start(worker_groups, environments)
@@ -65,9 +65,10 @@ class Run:
         self.resumed, self.stop, self.step_start, self.postfix, self.last_step = False, None, 0.0, {}, 0
         self.stopping = False  # a stop request seen when end_step decided whether to save
 
-    def _load_data(self, batch_size: int, batch_size_is_flag: bool):
-        """The train and validation loaders (prompts, or a supervised run's transcripts) and the scorer that checks
-        the prompts' data sources; --total-epochs turns into steps here. Returns the environments of --env/--tools."""
+    def _load_data(self, prompts_per_batch: int | None):
+        """The train and validation loaders (prompts, or a supervised run's transcripts; batches of `prompts_per_batch`,
+        default --train-batch-size) and the scorer that checks the prompts' data sources; --total-epochs turns into
+        steps here. Returns the environments of --env/--tools."""
         from common.data import PromptLoader, load_prompts
         from common.envs import episode_spec, load_environments
         from common.scoring import Scorer
@@ -94,8 +95,9 @@ class Run:
                 val_data = load_prompts(args.val_files, self.tokenizer, args.max_prompt_length, overlong, envs)
             self.scorer.check_prompts(train_data, val_data)
             self.val_name = "held-out accuracy" if args.val_files else "accuracy on the training prompts (no --val-files)"
+        batch_size = prompts_per_batch or args.train_batch_size
         if batch_size > len(train_data):
-            flag = "--train-batch-size" if batch_size_is_flag else "the prompts drawn per round (--gen-batch-size)"
+            flag = "--train-batch-size" if prompts_per_batch is None else "the prompts drawn per round (--gen-batch-size)"
             raise ValueError(
                 f"{flag} is {batch_size} prompts, more than the {len(train_data)} in --train-files "
                 f"{' '.join(args.train_files)}: lower it, or add prompts"
