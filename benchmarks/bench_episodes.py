@@ -1,0 +1,240 @@
+"""Multi-turn rollouts on the real model, turn by turn against each episode on its own: seconds per rollout, the
+engine's idle share and the context it computes again, with a tool that answers at once and one that takes 0-2 s.
+
+The policy: SmolLM2-135M-Instruct after the demo's warm start with the multiply tool (`sft_hybrid.py --model-path
+smollm2`, its defaults; built once and kept under $HYBRIDRL_CACHE/episodes-policy-v1, default ~/.cache/hybridrl), so
+that its episodes call the tool. A rollout: 32 episodes (8 of the demo's RL prompts x 4 samples), up to --max-turns 3
+model turns each, the demo's chatml_tools template and lengths (320 prompt tokens, 96 for the whole episode), sampled
+at temperature 1. The policy worker group is built as the training scripts build it (common/run.py: Run), on one CPU
+worker in bf16, once per engine (hf, then vllm), and serves every setting:
+
+- the tool: the built-in `multiply`, which answers at once, or benchmarks/episode_tools.py's, the same tool answering
+  after a random 0-2 s (drawn from the call's arguments: where both loops make the same call, they wait as long);
+  each runs in environment processes of its own, built once per engine, one per episode (--env-workers);
+- the loop: "turn by turn", `run_episodes` of commit f3c0107 (loaded from git), which generated every active
+  episode's turn in one `generate`, then made every environment call of the batch, then the next turn; against
+  "per episode", today's `common.envs.run_episodes`, where each episode goes on as soon as its own call answers.
+
+Each setting plays one warm-up rollout, then --rollouts rollouts, the same prompts for every setting (rollout k draws
+the run's k-th batch). Per setting, the means over those rollouts of: seconds per rollout; the engine's idle share,
+1 - the seconds its engine generated (`engine_work()` of the worker) / the rollout's wall time; the tokens prefilled
+again per model turn: the context tokens the engine computed (`engine_work()`'s prefilled tokens: not taken from a
+cache) less the tokens no engine had seen before (each distinct prompt's once, each environment answer's, and per
+turn after the first the last token sampled before it, which the engine never ran), divided by the model turns; model
+turns and tool calls per episode. Printed and written (--out, a markdown table and its JSON beside it).
+
+    python benchmarks/bench_episodes.py                               # hf and vllm, 3 rollouts per setting
+    python benchmarks/bench_episodes.py --engines hf --rollouts 1 --prompts 2
+"""
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
+from demo_table import machine  # noqa: E402
+
+POLICY_CACHE = "episodes-policy-v1"  # the warm start's export, under the demo's cache
+TURN_BY_TURN = "f3c0107"  # the last commit whose run_episodes played a batch turn by turn
+TOOLS = {"instant": "multiply", "0-2 s": f"{ROOT / 'benchmarks' / 'episode_tools.py'}:multiply"}
+LOOPS = ("turn by turn", "per episode")
+SAMPLING = dict(do_sample=True, top_p=1.0, top_k=0)
+
+
+def warm_started_policy() -> str:
+    """The folder of SmolLM2 after `sft_hybrid.py --model-path smollm2` (its export), built at the first use."""
+    from common.pretrained import cache_root
+
+    ready = cache_root() / POLICY_CACHE
+    if not ready.exists():
+        cache_root().mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(dir=cache_root()))  # renamed when whole, so a crash never leaves half a model
+        command = [sys.executable, str(ROOT / "algos" / "sft_hybrid.py"), "--model-path", "smollm2"]
+        print(f"building the warm-started policy once: {shlex.join(command)}", flush=True)
+        started = time.perf_counter()
+        env = os.environ | {"PYTHONPATH": str(ROOT)}
+        result = subprocess.run(command, cwd=scratch, env=env, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"the warm start failed (its folder: {scratch}):\n{result.stderr[-3000:]}")
+        [run_dir] = (scratch / "runs").iterdir()
+        os.rename(run_dir / "model", ready)
+        shutil.rmtree(scratch, ignore_errors=True)
+        print(f"warm start: {time.perf_counter() - started:.0f} s, kept in {ready}", flush=True)
+    return str(ready)
+
+
+def turn_by_turn_loop():
+    """`run_episodes` of commit TURN_BY_TURN, its room loaded from git as a module of its own: the same signature as
+    today's, and it calls today's worker groups (one `generate` scatter per turn)."""
+    source = subprocess.run(
+        ["git", "show", f"{TURN_BY_TURN}:common/envs.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    spec = importlib.util.spec_from_loader(f"envs_{TURN_BY_TURN}", loader=None)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    exec(compile(source, f"{TURN_BY_TURN}:common/envs.py", "exec"), module.__dict__)
+    return module.run_episodes
+
+
+class TurnByTurnCalls:
+    """Environment calls as the turn-by-turn loop reads them: an answered call's (state, reply), without the turn's
+    reward that today's call_env returns after them."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __call__(self, samples: list[tuple]) -> list[tuple]:
+        return [("ok", outcome[1][:2]) if outcome[0] == "ok" else outcome for outcome in self.calls(samples)]
+
+
+def rollout(policy, play, batch) -> dict:
+    """One rollout of `batch`'s episodes by `play`: its seconds, the engine's (rank 0's) work, and what it played."""
+    policy.broadcast("engine_work")  # its counts start from zero
+    started = time.perf_counter()
+    out = play(batch)
+    seconds = time.perf_counter() - started
+    work = policy.broadcast("engine_work")[0]
+    prompts = {tuple(p[m.bool()].tolist()) for p, m in zip(batch["prompts"], batch["prompt_mask"])}
+    episode_tokens = out["attention_mask"][:, batch["prompts"].shape[1] :].sum()  # the model's and the environment's
+    turns = sum(out["turns"])
+    # what no engine had seen: the distinct prompts, the environment's answers, each later turn's last sampled token
+    unseen = sum(map(len, prompts)) + int(episode_tokens - out["response_mask"].sum()) + turns - len(out)
+    return dict(
+        seconds=seconds,
+        engine_seconds=work["seconds"],
+        prefilled_tokens=work["prefilled_tokens"],
+        unseen_tokens=unseen,
+        episodes=len(out),
+        turns=turns,
+        tool_calls=sum(out["tool_calls"]),
+    )
+
+
+def summary(rollouts: list[dict]) -> dict:
+    mean = lambda key: sum(r[key] for r in rollouts) / len(rollouts)  # noqa: E731
+    episodes, turns = mean("episodes"), mean("turns")
+    return dict(
+        seconds=mean("seconds"),
+        idle_share=sum(1 - r["engine_seconds"] / r["seconds"] for r in rollouts) / len(rollouts),
+        prefilled_again_per_turn=(mean("prefilled_tokens") - mean("unseen_tokens")) / turns,
+        turns_per_episode=turns / episodes,
+        tool_calls_per_episode=mean("tool_calls") / episodes,
+    )
+
+
+def measure(engine: str, args, model_path: str, train_file: str, work: Path) -> list[dict]:
+    """Every setting on `engine`, its worker group, environment processes and prompts built once for all of them."""
+    from common.envs import ENV_CALLS, episode_spec, load_environments, run_episodes
+    from common.isolation import CallProcesses
+    from common.run import Run, RunArgs
+
+    lengths = dict(max_prompt_length=320, max_response_length=96)  # the demo's (common/demo.py: WARM_START_DEFAULTS)
+    run_args = RunArgs(
+        model_path=model_path,
+        train_files=[train_file],
+        runs_dir=str(work / "runs"),
+        tools=[TOOLS["instant"]],  # renders the prompts; both tools have its schema
+        chat_template="chatml_tools",
+        max_turns=args.max_turns,
+        num_workers=1,
+        rollout_engine=engine,
+        compute_dtype="bfloat16",
+        train_batch_size=args.prompts,
+        mini_batch_size=args.prompts,
+        n=args.samples,
+        reward_workers=1,  # the run's own reward and environment processes, unused here
+        seed=args.seed,
+        **lengths,
+    )
+    screen = sys.stdout, sys.stderr  # a Run sends this process's output to its folder too, until it is torn down
+    run = Run(run_args)
+    policy, pools = run.policy(), {}
+    try:
+        episodes = args.prompts * args.samples
+        batches = [run.rollouts.next_prompts().repeat(args.samples, interleave=True) for _ in range(1 + args.rollouts)]
+        environments = {tool: load_environments(episode_spec(None, [spec])) for tool, spec in TOOLS.items()}
+        if len({json.dumps(e.schemas(""), sort_keys=True) for e in environments.values()}) != 1:
+            raise RuntimeError("benchmarks/episode_tools.py's multiply has another schema than the built-in's")
+        for tool, envs in environments.items():
+            pools[tool] = CallProcesses(envs.spec, args.env_workers or episodes, ENV_CALLS, run_args.reward_timeout)
+        loops = {"turn by turn": (turn_by_turn_loop(), TurnByTurnCalls), "per episode": (run_episodes, lambda calls: calls)}
+        results = []
+        for tool, envs in environments.items():
+            for name, (loop, calls) in loops.items():
+                tokens = (run.tokenizer, run.eos_token_ids, args.max_turns, lengths["max_response_length"], SAMPLING)
+                play = lambda batch: loop(policy, batch, calls(pools[tool]), envs, *tokens)  # noqa: B023, E731
+                started = time.perf_counter()
+                rollout(policy, play, batches[0])  # warm-up
+                rollouts = [rollout(policy, play, batch) for batch in batches[1:]]
+                results.append(dict(engine=engine, tool=tool, loop=name, **summary(rollouts), rollouts=rollouts))
+                print(
+                    f"{engine}, {tool} tool, {name}: {results[-1]['seconds']:.1f} s per rollout "
+                    f"({time.perf_counter() - started:.0f} s with the warm-up)",
+                    flush=True,
+                )
+        return results
+    finally:
+        for calls in pools.values():
+            calls.close()
+        run.tracker.close()
+        run.scorer.close()
+        run.rollouts.close()
+        policy.shutdown()
+        run.pool.shutdown()
+        sys.stdout, sys.stderr = screen
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
+    parser.add_argument("--rollouts", type=int, default=3, help="measured rollouts per setting, after one warm-up")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per rollout")
+    parser.add_argument("--samples", type=int, default=4, help="episodes per prompt")
+    parser.add_argument("--max-turns", type=int, default=3)
+    parser.add_argument("--env-workers", type=int, help="environment processes per tool (default: one per episode)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", default="bench_episodes.md", help="the table; its JSON goes beside it (.json)")
+    args = parser.parse_args()
+
+    from common import demo
+
+    cpu = machine()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    print(cpu, flush=True)
+    model_path = warm_started_policy()
+    _, train_file, _ = demo.prepare("multiply_tool")
+    work = Path(tempfile.mkdtemp(prefix="bench_episodes_"))
+    results = [result for engine in args.engines for result in measure(engine, args, model_path, train_file, work)]
+
+    command = shlex.join(["python", "benchmarks/bench_episodes.py", *sys.argv[1:]])
+    lines = [
+        f"`{command}` at {commit}, {date}; {cpu}; {args.prompts * args.samples} episodes a rollout ({args.prompts} prompts "
+        f"x {args.samples}), up to {args.max_turns} model turns; means of {args.rollouts} rollouts after a warm-up",
+        "",
+        "| engine | tool | loop | seconds per rollout | engine idle | prefilled again per model turn "
+        "| model turns per episode | tool calls per episode |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['engine']} | {r['tool']} | {r['loop']} | {r['seconds']:.1f} | {r['idle_share']:.0%} "
+            f"| {r['prefilled_again_per_turn']:.0f} | {r['turns_per_episode']:.2f} | {r['tool_calls_per_episode']:.2f} |"
+        )
+    table = "\n".join(lines)
+    print("\n" + table)
+    Path(args.out).write_text(table + "\n")
+    summary_json = dict(cpu=cpu, commit=commit, date=date, command=command, settings=vars(args), results=results)
+    Path(args.out).with_suffix(".json").write_text(json.dumps(summary_json, indent=1) + "\n")
+    print(f"written: {args.out} and {Path(args.out).with_suffix('.json')}")
