@@ -10,7 +10,7 @@ worker in bf16, once per engine (hf, then vllm), and serves every setting:
 
 - the tool: the built-in `multiply`, which answers at once, or benchmarks/episode_tools.py's, the same tool answering
   after a random 0-2 s (drawn from the call's arguments: where both loops make the same call, they wait as long);
-  each runs in environment processes of its own, built once per engine, one per episode (--env-workers);
+  each in environment processes of its own (one per episode, --env-workers), built once per engine;
 - the loop: "turn by turn", `run_episodes` of commit f3c0107 (loaded from git), which generated every active
   episode's turn in one `generate`, then made every environment call of the batch, then the next turn; against
   "per episode", today's `common.envs.run_episodes`, where each episode goes on as soon as its own call answers.
@@ -133,8 +133,9 @@ def summary(rollouts: list[dict]) -> dict:
     )
 
 
-def measure(engine: str, args, model_path: str, train_file: str, work: Path) -> list[dict]:
-    """Every setting on `engine`, its worker group, environment processes and prompts built once for all of them."""
+def measure(engine: str, args, model_path: str, train_file: str, turn_by_turn, work: Path) -> list[dict]:
+    """Every setting on `engine`, its worker group, environment processes and prompts built once for all of them;
+    `turn_by_turn`: the loop of commit TURN_BY_TURN."""
     from common.envs import ENV_CALLS, episode_spec, load_environments, run_episodes
     from common.isolation import CallProcesses
     from common.run import Run, RunArgs
@@ -159,34 +160,35 @@ def measure(engine: str, args, model_path: str, train_file: str, work: Path) -> 
     )
     screen = sys.stdout, sys.stderr  # a Run sends this process's output to its folder too, until it is torn down
     run = Run(run_args)
-    policy, pools = run.policy(), {}
+    policy = run.policy()
     try:
         episodes = args.prompts * args.samples
         batches = [run.rollouts.next_prompts().repeat(args.samples, interleave=True) for _ in range(1 + args.rollouts)]
         environments = {tool: load_environments(episode_spec(None, [spec])) for tool, spec in TOOLS.items()}
         if len({json.dumps(e.schemas(""), sort_keys=True) for e in environments.values()}) != 1:
             raise RuntimeError("benchmarks/episode_tools.py's multiply has another schema than the built-in's")
-        for tool, envs in environments.items():
-            pools[tool] = CallProcesses(envs.spec, args.env_workers or episodes, ENV_CALLS, run_args.reward_timeout)
-        loops = {"turn by turn": (turn_by_turn_loop(), TurnByTurnCalls), "per episode": (run_episodes, lambda calls: calls)}
+        loops = {"turn by turn": (turn_by_turn, TurnByTurnCalls), "per episode": (run_episodes, lambda calls: calls)}
+        tokens = (run.tokenizer, run.eos_token_ids, args.max_turns, lengths["max_response_length"], SAMPLING)
         results = []
         for tool, envs in environments.items():
-            for name, (loop, calls) in loops.items():
-                tokens = (run.tokenizer, run.eos_token_ids, args.max_turns, lengths["max_response_length"], SAMPLING)
-                play = lambda batch: loop(policy, batch, calls(pools[tool]), envs, *tokens)  # noqa: B023, E731
-                started = time.perf_counter()
-                rollout(policy, play, batches[0])  # warm-up
-                rollouts = [rollout(policy, play, batch) for batch in batches[1:]]
-                results.append(dict(engine=engine, tool=tool, loop=name, **summary(rollouts), rollouts=rollouts))
-                print(
-                    f"{engine}, {tool} tool, {name}: {results[-1]['seconds']:.1f} s per rollout "
-                    f"({time.perf_counter() - started:.0f} s with the warm-up)",
-                    flush=True,
-                )
+            # one tool's processes at a time: each holds about 250 MB
+            pool = CallProcesses(envs.spec, args.env_workers or episodes, ENV_CALLS, run_args.reward_timeout)
+            try:
+                for name, (loop, calls) in loops.items():
+                    play = lambda batch: loop(policy, batch, calls(pool), envs, *tokens)  # noqa: B023, E731
+                    started = time.perf_counter()
+                    rollout(policy, play, batches[0])  # warm-up
+                    rollouts = [rollout(policy, play, batch) for batch in batches[1:]]
+                    results.append(dict(engine=engine, tool=tool, loop=name, **summary(rollouts), rollouts=rollouts))
+                    print(
+                        f"{engine}, {tool} tool, {name}: {results[-1]['seconds']:.1f} s per rollout "
+                        f"({time.perf_counter() - started:.0f} s with the warm-up)",
+                        flush=True,
+                    )
+            finally:
+                pool.close()
         return results
     finally:
-        for calls in pools.values():
-            calls.close()
         run.tracker.close()
         run.scorer.close()
         run.rollouts.close()
@@ -206,8 +208,15 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default="bench_episodes.md", help="the table; its JSON goes beside it (.json)")
     args = parser.parse_args()
+    if min(args.rollouts, args.prompts, args.samples, args.max_turns, args.env_workers or 1) < 1:
+        parser.error("--rollouts, --prompts, --samples, --max-turns and --env-workers count from 1")
 
     from common import demo
+    from common.rollout import check_rollout
+
+    for engine in args.engines:  # vLLM installed, before the hf engine's settings are measured
+        check_rollout(engine, temperature=1.0, top_p=1.0, top_k=0, lora_sync="auto", offload=False)
+    turn_by_turn = turn_by_turn_loop()  # git and the commit at hand, before any model is built
 
     cpu = machine()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -216,12 +225,14 @@ if __name__ == "__main__":
     model_path = warm_started_policy()
     _, train_file, _ = demo.prepare("multiply_tool")
     work = Path(tempfile.mkdtemp(prefix="bench_episodes_"))
-    results = [result for engine in args.engines for result in measure(engine, args, model_path, train_file, work)]
+    results = []
+    for engine in args.engines:
+        results += measure(engine, args, model_path, train_file, turn_by_turn, work)
 
     command = shlex.join(["python", "benchmarks/bench_episodes.py", *sys.argv[1:]])
     lines = [
         f"`{command}` at {commit}, {date}; {cpu}; {args.prompts * args.samples} episodes a rollout ({args.prompts} prompts "
-        f"x {args.samples}), up to {args.max_turns} model turns; means of {args.rollouts} rollouts after a warm-up",
+        f"x {args.samples}), up to {args.max_turns} model turns; means over {args.rollouts} rollouts after a warm-up",
         "",
         "| engine | tool | loop | seconds per rollout | engine idle | prefilled again per model turn "
         "| model turns per episode | tool calls per episode |",
