@@ -98,6 +98,14 @@ class TurnByTurnCalls:
         return [("ok", outcome[1][:2]) if outcome[0] == "ok" else outcome for outcome in self.calls(samples)]
 
 
+def wait_until_loaded(pool) -> None:
+    """Every process of `pool` (CallProcesses) done loading the tool, so that none still starts while a rollout is
+    timed (on a small machine 32 of them take about half a minute): calls that call no tool, until all are ready."""
+    while not all(process.ready for process in pool.processes):
+        pool.submit(("", None, ("", "", {}), ("tools", [])))
+        pool.collect()
+
+
 def rollout(policy, play, batch) -> dict:
     """One rollout of `batch`'s episodes by `play`: its seconds, the engine's (rank 0's) work, and what it played."""
     policy.broadcast("engine_work")  # its counts start from zero
@@ -174,6 +182,7 @@ def measure(engine: str, args, model_path: str, train_file: str, turn_by_turn, w
             # one tool's processes at a time: each holds about 250 MB
             pool = CallProcesses(envs.spec, args.env_workers or episodes, ENV_CALLS, run_args.reward_timeout)
             try:
+                wait_until_loaded(pool)
                 for name, (loop, calls) in loops.items():
                     play = lambda batch: loop(policy, batch, calls(pool), envs, *tokens)  # noqa: B023, E731
                     started = time.perf_counter()
