@@ -21,9 +21,11 @@ the run's k-th batch). Per setting, the means over those rollouts of: seconds pe
 again per model turn: the context tokens the engine computed (`engine_work()`'s prefilled tokens: not taken from a
 cache) less the tokens no engine had seen before (each distinct prompt's once, each environment answer's, and per
 turn after the first the last token sampled before it, which the engine never ran), divided by the model turns; model
-turns and tool calls per episode. Printed and written (--out, a markdown table and its JSON beside it).
+turns and tool calls per episode. A rollout's seconds vary with its samples (turn by turn, each turn's generate lasts as
+long as its longest response), so the table gives the fastest and the slowest beside the mean. Printed and written
+(--out, a markdown table and its JSON beside it, which keeps every rollout's figures).
 
-    python benchmarks/bench_episodes.py                               # hf and vllm, 3 rollouts per setting
+    python benchmarks/bench_episodes.py                               # hf and vllm, 4 rollouts per setting
     python benchmarks/bench_episodes.py --engines hf --rollouts 1 --prompts 2
 """
 
@@ -126,6 +128,7 @@ def rollout(policy, play, batch) -> dict:
         episodes=len(out),
         turns=turns,
         tool_calls=sum(out["tool_calls"]),
+        model_tokens=int(out["response_mask"].sum()),
     )
 
 
@@ -134,6 +137,7 @@ def summary(rollouts: list[dict]) -> dict:
     episodes, turns = mean("episodes"), mean("turns")
     return dict(
         seconds=mean("seconds"),
+        seconds_range=(min(r["seconds"] for r in rollouts), max(r["seconds"] for r in rollouts)),
         idle_share=sum(1 - r["engine_seconds"] / r["seconds"] for r in rollouts) / len(rollouts),
         prefilled_again_per_turn=(mean("prefilled_tokens") - mean("unseen_tokens")) / turns,
         turns_per_episode=turns / episodes,
@@ -209,7 +213,7 @@ def measure(engine: str, args, model_path: str, train_file: str, turn_by_turn, w
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
-    parser.add_argument("--rollouts", type=int, default=3, help="measured rollouts per setting, after one warm-up")
+    parser.add_argument("--rollouts", type=int, default=4, help="measured rollouts per setting, after one warm-up")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per rollout")
     parser.add_argument("--samples", type=int, default=4, help="episodes per prompt")
     parser.add_argument("--max-turns", type=int, default=3)
@@ -243,13 +247,14 @@ if __name__ == "__main__":
         f"`{command}` at {commit}, {date}; {cpu}; {args.prompts * args.samples} episodes a rollout ({args.prompts} prompts "
         f"x {args.samples}), up to {args.max_turns} model turns; means over {args.rollouts} rollouts after a warm-up",
         "",
-        "| engine | tool | loop | seconds per rollout | engine idle | prefilled again per model turn "
+        "| engine | tool | loop | seconds per rollout (fastest-slowest) | engine idle | prefilled again per model turn "
         "| model turns per episode | tool calls per episode |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        low, high = r["seconds_range"]
         lines.append(
-            f"| {r['engine']} | {r['tool']} | {r['loop']} | {r['seconds']:.1f} | {r['idle_share']:.0%} "
+            f"| {r['engine']} | {r['tool']} | {r['loop']} | {r['seconds']:.1f} ({low:.1f}-{high:.1f}) | {r['idle_share']:.0%} "
             f"| {r['prefilled_again_per_turn']:.0f} | {r['turns_per_episode']:.2f} | {r['tool_calls_per_episode']:.2f} |"
         )
     table = "\n".join(lines)
