@@ -9,7 +9,8 @@ from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
-from common.rollout import HFRollout, VLLMRollout, serves_adapter
+from common.hf_engine import HFRollout
+from common.vllm_engine import VLLMRollout, serves_adapter
 
 
 class RolloutEngine(Protocol):

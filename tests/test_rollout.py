@@ -6,7 +6,7 @@ from transformers import GenerationConfig, LogitsProcessorList
 
 from common.data import collate
 from common.dataproto import DataProto
-from common.rollout import HFRollout, InverseCDFSample, SampledLogProbs, shared_prompt_cache
+from common.hf_engine import HFRollout, InverseCDFSample, SampledLogProbs, shared_prompt_cache
 from helpers import local_model
 
 
