@@ -12,6 +12,7 @@ from the weights last sent to them.
 from __future__ import annotations
 
 import importlib.util
+import time
 
 import torch
 
@@ -55,6 +56,18 @@ def eos_token_ids(model_path: str, tokenizer) -> list[int]:
     eos = tokenizer.eos_token_id if eos is None else eos
     return list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
+def stop_end(tokens: list[int], stop_strings: list[str], tokenizer) -> int | None:
+    """How many of `tokens` lead up to and include the token that completes the first stop string; None without one."""
+    holds_stop = lambda k: any(s in tokenizer.decode(tokens[:k], skip_special_tokens=True) for s in stop_strings)  # noqa: E731
+    if not stop_strings or not holds_stop(len(tokens)):
+        return None
+    low, high = 1, len(tokens)  # the shortest prefix whose text holds a stop string
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if holds_stop(middle) else (middle + 1, high)
+    return low
+
+
 def response_batch(prompts, prompt_mask, responses, log_probs, max_response_length: int, eos_token_ids, pad_token_id):
     """What either engine generated, as the batch the trainer reads.
 
@@ -88,7 +101,16 @@ def response_tensors(prompts, prompt_mask, responses, response_mask, log_probs, 
 
 
 class EngineWorker(Worker):
-    """A worker with a rollout engine in its process (`self.rollout`, common/rollout.py) that generates from it."""
+    """A worker with a rollout engine in its process (`self.rollout`, common/engines.py) that generates from it: a batch
+    of prompts at once (`generate`), or episodes' turns one by one as they come (`open_turns`, `turns`, `close_turns`).
+    """
+
+    version = None
+    """the weights' version the engine generates from, where the worker keeps one (a rollout worker)"""
+    engine_seconds = 0.0
+    """seconds the engine spent generating since engine_work last read them"""
+    plays = 0
+    """the episodes' plays under way on this engine (each between its open_turns and close_turns)"""
 
     def engine_placement(self, master) -> dict:
         """Where this worker's vLLM engine sits: its rank in the worker's group, whose rendezvous is `master`, and its
@@ -111,7 +133,66 @@ class EngineWorker(Worker):
         rollout.response_batch for what returns."""
         prompts, prompt_mask = data["prompts"].to(self.device), data["prompt_mask"].to(self.device)
         sampling = dict(do_sample=do_sample, temperature=self.temperature, top_p=top_p, top_k=top_k, stop_strings=stop_strings)
+        start = time.perf_counter()
         responses, log_probs = self.rollout.generate(prompts, prompt_mask, max_response_length, **sampling)
+        self.engine_seconds += time.perf_counter() - start
         return response_batch(
             prompts, prompt_mask, responses, log_probs, max_response_length, self.eos_token_ids, self.pad_token_id
         )
+
+    def open_turns(self) -> None:
+        """Take episodes' turns one by one (`turns`) until close_turns, from the policy as it is now. Plays may overlap
+        (validation's episodes beside training's on engines apart): the engine opens for the first, closes after the
+        last."""
+        if self.plays == 0:
+            self.rollout.open_requests()
+            self.under_way, self.ended = {}, []
+        self.plays += 1
+
+    @torch.no_grad()
+    def turns(
+        self, play: str, requests: list[tuple[str, list[int], int]], do_sample: bool = True, top_p: float = 1.0,
+        top_k: int = 0, stop_strings: list[str] | None = None,
+    ) -> list[tuple[str, list[int], list[float], int | None, int]]:  # fmt: skip
+        """Start `requests` (an episode's key, prefixed by its `play`'s; the tokens of its context; the most tokens to
+        generate) beside the turns under way, and return the turns of `play` that ended since the last call, after
+        the engine's next steps if none had: each one's key, tokens (to its EOS or stop string), their log-probs, the
+        weights' version they were generated from and the tokens of its context the engine computed (its cache had not
+        kept them)."""
+        start, prefix = time.perf_counter(), f"{play}/"
+        sampling = dict(do_sample=do_sample, temperature=self.temperature, top_p=top_p, top_k=top_k, stop_strings=stop_strings)
+        for key, tokens, max_tokens in requests:
+            self.rollout.add_request(key, tokens, max_tokens, **sampling)
+            self.under_way[key] = self.version
+        if any(key.startswith(prefix) for key in self.under_way) and not any(t[0].startswith(prefix) for t in self.ended):
+            self._step()
+        ended = [turn for turn in self.ended if turn[0].startswith(prefix)]
+        self.ended = [turn for turn in self.ended if not turn[0].startswith(prefix)]
+        self.engine_seconds += time.perf_counter() - start
+        return ended
+
+    def _step(self) -> None:
+        """The engine's next steps, until a turn ends (or a short while passed: more may be waiting to start)."""
+        for key, tokens, log_probs, computed in self.rollout.finished_requests():
+            self.ended.append((key, tokens, log_probs, self.under_way.pop(key), computed))
+
+    def finish_turns(self) -> None:
+        """End every turn under way (kept for the `turns` call that asks for them): before the weights change, so that
+        a turn is generated from one version."""
+        start = time.perf_counter()
+        while self.plays and self.under_way:
+            self._step()
+        self.engine_seconds += time.perf_counter() - start
+
+    def close_turns(self, play: str) -> None:
+        """The end of a play (open_turns): the engine forgets its episodes, and after the last play it rests."""
+        self.plays -= 1
+        self.rollout.close_requests(f"{play}/", last=self.plays == 0)
+
+    def engine_work(self) -> dict:
+        """The seconds the engine spent generating and the context tokens it computed (prefilled: not taken from a
+        cache) since the last call."""
+        prefilled = getattr(self.rollout, "prefilled_tokens", 0)
+        work = dict(seconds=self.engine_seconds, prefilled_tokens=prefilled - getattr(self, "prefilled_read", 0))
+        self.engine_seconds, self.prefilled_read = 0.0, prefilled
+        return work

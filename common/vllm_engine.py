@@ -17,6 +17,7 @@ import math
 import os
 import shutil
 import tempfile
+import time
 
 import torch
 
@@ -162,26 +163,16 @@ class VLLMRollout:
         self.sleep_level = 1 if self.serves_adapter or frozen else 2
         self.adapter_dir = tempfile.mkdtemp(prefix="hybridrl_adapter_")
         self.lora_request = None
+        self.prefilled_tokens, self.requests_added, self.request_keys = 0, 0, {}  # request id -> its episode's key
         self._sleep()
 
     def generate(self, prompts, prompt_mask, max_response_length, do_sample, temperature, top_p, top_k, stop_strings=None):
         """[batch, steps] response tokens and their log-probs, from an engine woken with the policy's current weights."""
-        sleeps = self.on_gpu and self.colocated
-        if sleeps:
-            self.llm.wake_up(tags=["weights"])
-        if self.colocated and not self.frozen:
-            self.sync_weights()
-        if self.offload:
-            move_policy(self.policy, self.optimizer, "cpu")
-        if sleeps:
-            self.llm.wake_up(tags=["kv_cache"])
-        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        self.open_requests()
         token_lists = [row[mask.bool()].tolist() for row, mask in zip(prompts, prompt_mask)]
         sampling = dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k, stop_strings=stop_strings)
         tokens, log_probs = self._generate(token_lists, max_response_length, **sampling)
-        self._sleep()
-        if self.offload:
-            move_policy(self.policy, self.optimizer, prompts.device)
+        self.close_requests()
         longest = max(1, max(len(t) for t in tokens))
         responses = torch.full((len(tokens), longest), self.pad_token_id, dtype=torch.long)
         rollout_log_probs = torch.zeros(len(tokens), longest)
@@ -189,6 +180,55 @@ class VLLMRollout:
             responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             rollout_log_probs[i, : len(values)] = torch.tensor(values)
         return responses.to(prompts.device), rollout_log_probs.to(prompts.device)
+
+    def open_requests(self) -> None:
+        """Wake the engine with the policy's current weights (colocated) and start its prefix cache afresh: an
+        episode's turns then find the keys and values of its earlier ones there until close_requests."""
+        sleeps = self.on_gpu and self.colocated
+        if sleeps:
+            self.llm.wake_up(tags=["weights"])
+        if self.colocated and not self.frozen:
+            self.sync_weights()
+        if self.offload:
+            self.policy_device = next(self.policy.parameters()).device
+            move_policy(self.policy, self.optimizer, "cpu")
+        if sleeps:
+            self.llm.wake_up(tags=["kv_cache"])
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+
+    def add_request(self, key: str, tokens: list[int], max_tokens: int, **sampling) -> None:
+        """Start a response to `tokens` now, beside those under way (continuous batching); `key`: the episode's."""
+        from vllm.sampling_params import RequestOutputKind
+
+        self.requests_added += 1
+        params = self._sampling_params(max_tokens, **sampling)
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        prompt = {"prompt_token_ids": tokens}
+        self.llm.llm_engine.add_request(f"{key}#{self.requests_added}", prompt, params, lora_request=self.lora_request)
+        self.request_keys[f"{key}#{self.requests_added}"] = key
+
+    def finished_requests(self, seconds: float = 0.05) -> list[tuple[str, list[int], list[float], int]]:
+        """Step the engine until a request ends (or `seconds` passed, or none is under way): those that ended, each
+        with its key, tokens, their log-probs and how many of its prompt's tokens missed the prefix cache."""
+        engine, finished, start = self.llm.llm_engine, [], time.perf_counter()
+        while engine.has_unfinished_requests() and not finished:
+            for output in engine.step():
+                if output.finished:
+                    tokens, log_probs = self._response(output)
+                    computed = len(output.prompt_token_ids) - (output.num_cached_tokens or 0)
+                    finished.append((self.request_keys.pop(output.request_id), tokens, log_probs, computed))
+            if time.perf_counter() - start > seconds:
+                break
+        return finished
+
+    def close_requests(self, prefix: str = "", last: bool = True) -> None:
+        """After the `last` play: put the engine back to sleep (colocated, on GPUs) and the policy back where it trains.
+        (The prefix cache lets go of the play's episodes, `prefix`, as it needs room.)"""
+        if not last:
+            return
+        self._sleep()
+        if self.offload:
+            move_policy(self.policy, self.optimizer, self.policy_device)
 
     def sync_weights(self) -> None:
         """Send the engine the policy as it is now: the adapter alone, or every weight (a collective: every rank)."""
@@ -210,6 +250,7 @@ class VLLMRollout:
         [missing] = self.llm.collective_rpc(reload_weights, kwargs=dict(weights=weights))
         if missing:
             raise RuntimeError(f"the rollout engine received no weights for {missing}: it would generate with stale ones")
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
     def load_adapter(self, tensors: dict[str, torch.Tensor], peft_config) -> None:
         """Serve this adapter from now on: written as a PEFT folder, loaded under a new id, the old one dropped."""
@@ -224,6 +265,7 @@ class VLLMRollout:
             self.llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
             shutil.rmtree(self.lora_request.lora_path, ignore_errors=True)
         self.lora_request = request
+        self.llm.reset_prefix_cache()
 
     def prompt_log_probs(self, tokens: list[int]) -> torch.Tensor:
         """log p(token | the tokens before it) for every token of `tokens` but the first, at temperature 1 (vLLM
@@ -235,13 +277,21 @@ class VLLMRollout:
         [output] = self.llm.generate([{"prompt_token_ids": tokens}], params, lora_request=self.lora_request, use_tqdm=False)
         return torch.tensor([position[token].logprob for token, position in zip(tokens[1:], output.prompt_logprobs[1:])])
 
-    def _generate(self, prompts: list[list[int]], max_tokens: int, do_sample, temperature, top_p, top_k, stop_strings):
+    def _generate(self, prompts: list[list[int]], max_tokens: int, **sampling):
         """One response per prompt: (token ids, log-prob of each under the sampling distribution); a response that
         completes a stop string ends with the token that completed it."""
+        params = self._sampling_params(max_tokens, **sampling)
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": prompt} for prompt in prompts], params, lora_request=self.lora_request, use_tqdm=False
+        )
+        responses = [self._response(output) for output in outputs]
+        return [tokens for tokens, _ in responses], [log_probs for _, log_probs in responses]
+
+    def _sampling_params(self, max_tokens: int, do_sample, temperature, top_p, top_k, stop_strings):
         from vllm import SamplingParams
 
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k) if do_sample else dict(temperature=0.0)
-        params = SamplingParams(
+        return SamplingParams(
             n=1,
             max_tokens=max_tokens,
             stop_token_ids=self.eos_token_ids,
@@ -250,15 +300,13 @@ class VLLMRollout:
             logprobs=0,
             **sampling,
         )
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": prompt} for prompt in prompts], params, lora_request=self.lora_request, use_tqdm=False
-        )
-        tokens = [list(output.outputs[0].token_ids) for output in outputs]
-        log_probs = [
-            [position[token].logprob for token, position in zip(ids, output.outputs[0].logprobs)]
-            for ids, output in zip(tokens, outputs)
-        ]
-        return tokens, log_probs
+
+    def _response(self, output) -> tuple[list[int], list[float]]:
+        """A finished request's tokens and the log-prob of each; its prompt tokens that missed the prefix cache are
+        counted as prefilled."""
+        self.prefilled_tokens += len(output.prompt_token_ids) - (output.num_cached_tokens or 0)
+        tokens = list(output.outputs[0].token_ids)
+        return tokens, [position[token].logprob for token, position in zip(tokens, output.outputs[0].logprobs)]
 
 
 def move_policy(policy, optimizer, device) -> None:
