@@ -144,6 +144,12 @@ class EngineWorker(Worker):
         """Take episodes' turns one by one (`turns`) until close_turns, from the policy as it is now. Plays may overlap
         (validation's episodes beside training's on engines apart): the engine opens for the first, closes after the
         last."""
+        if not callable(getattr(self.rollout, "add_request", None)):
+            raise TypeError(
+                f"the rollout engine {type(self.rollout).__name__} takes no requests one by one (open_requests, "
+                "add_request, finished_requests, close_requests), which episodes need (--env, --tools): see "
+                "docs/rollout-engines.md, Adding an engine"
+            )
         if self.plays == 0:
             self.rollout.open_requests()
             self.under_way, self.ended = {}, []
