@@ -323,8 +323,8 @@ class EpisodePlay:
     rank's, for every turn, where the keys and values of its earlier turns are kept), started as soon as its environment
     answered, beside the turns of the other episodes under way (vLLM: continuous batching; hf: the turns that came
     since its last generate, gathered into the next), while the environments' calls run in their processes. A slow or
-    hung call holds its own episode alone (to --reward-timeout). `work`, after `play`: the engines' seconds generating
-    and context tokens computed (EngineWorker.engine_work), summed over ranks."""
+    hung call holds its own episode alone (to --reward-timeout). `engine_idle_share`, after `play`: the share of its
+    time the engines were not generating (EngineWorker.engine_work)."""
 
     def __init__(self, policy, env_calls, environments, tokenizer, eos_token_ids, max_turns, max_response_length, sampling):
         self.policy, self.env_calls, self.environments, self.tokenizer = policy, env_calls, environments, tokenizer
