@@ -361,10 +361,10 @@ class EpisodePlay:
                         if episode.turns:  # the context's tokens computed again: all but the answer and the last sampled
                             episode.computed_again += max(0, computed - episode.fresh - 1)
                         self._take_turn(episode, tokens, log_probs)
-                if answered:
-                    continue
-                # while the engines generate, answers are gathered every 10 ms; else the first to come is taken at once
-                for ticket, outcome in self.env_calls.collect(timeout=0.01 if calls else None).items():
+                # the calls just made are sent at once; while the engines generate, answers are gathered every 10 ms;
+                # else the first to come is taken as it comes
+                timeout = 0.001 if answered else 0.01 if calls else None
+                for ticket, outcome in self.env_calls.collect(timeout=timeout).items():
                     episode, action = self.stepping.pop(ticket)
                     if self._answer(episode, action, outcome):
                         waiting[rank_of[key_of[id(episode)]]].append(key_of[id(episode)])
