@@ -9,11 +9,14 @@ from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
-from common.rollout import HFRollout, VLLMRollout, serves_adapter
+from common.hf_engine import HFRollout
+from common.vllm_engine import VLLMRollout, serves_adapter
 
 
 class RolloutEngine(Protocol):
-    """What the workers call on an engine (common/rollout.py: EngineWorker, common/workers/rollout.py)."""
+    """What the workers call on an engine (common/rollout.py: EngineWorker, common/workers/rollout.py): a batch of prompts
+    at once (generate), or requests one by one (an episode's turns, as each comes: open_requests, add_request,
+    finished_requests, close_requests)."""
 
     dtype: torch.dtype
     """the dtype the engine keeps its weights in, which the policy sends them in"""
@@ -25,9 +28,31 @@ class RolloutEngine(Protocol):
         """One response per left-padded prompt ([batch, steps] tokens, padded after the end) and the log-prob of each
         sampled token under the distribution it was sampled from ([batch, steps])."""
 
+    prefilled_tokens: int
+    """the context tokens the engine computed so far (those its caches did not hold), which the logs count"""
+
+    def open_requests(self) -> None:
+        """Get ready to take requests one by one (an episode's turns), from the policy as it is now (the colocated
+        engines wake and receive its weights here)."""
+
+    def add_request(self, key: str, tokens: list[int], max_tokens: int, **sampling) -> None:
+        """Start a response of at most `max_tokens` to `tokens` (sampling as generate takes it). `key`: the episode's,
+        the same for each of its turns, whose context then begins with the earlier turn's: an engine may keep what
+        it computed of one turn for the next."""
+
+    def finished_requests(self) -> list[tuple[str, list[int], list[float], int]]:
+        """Generate until at least one request under way ends (or a short while passed): each ended one's key, tokens
+        (to its EOS or the token that completes a stop string), their log-probs, and how many of its context's tokens
+        the engine computed (the others came from its cache)."""
+
+    def close_requests(self, prefix: str, last: bool) -> None:
+        """The requests whose keys begin with `prefix` are done with (a play of episodes ended): forget what was kept of
+        them; `last`: no play is open any more (the colocated engines go back to sleep)."""
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy (name, tensor) pairs named as in the model's checkpoint into the engine: every weight it has must
-        arrive, or it raises (it would generate from stale ones)."""
+        arrive, or it raises (it would generate from stale ones). What the engine cached is dropped with the old
+        weights."""
 
     def prompt_log_probs(self, tokens: list[int]) -> torch.Tensor:
         """log p(token | the tokens before it) at temperature 1 for every token of `tokens` but the first."""

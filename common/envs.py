@@ -57,9 +57,11 @@ import shlex
 import sys
 import time
 import traceback
+import uuid
 from dataclasses import dataclass, field
 
 from common.isolation import REPORTED_FAILURES, CallKind, load_user_file
+from common.rollout import stop_end
 from common.tools import ToolResultFraming, call_tool, check_tool_template, load_tools, parse_tool_calls, tool_schema
 
 # How an episode ended, logged as the share of each under env/ended_<how>; `answered`: a turn without a tool call.
@@ -293,18 +295,6 @@ class AnswerFraming:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def stop_end(tokens: list[int], stop_strings: list[str], tokenizer) -> int | None:
-    """How many of `tokens` lead up to and include the token that completes the first stop string; None without one."""
-    holds_stop = lambda k: any(s in tokenizer.decode(tokens[:k], skip_special_tokens=True) for s in stop_strings)  # noqa: E731
-    if not stop_strings or not holds_stop(len(tokens)):
-        return None
-    low, high = 1, len(tokens)  # the shortest prefix whose text holds a stop string
-    while low < high:
-        middle = (low + high) // 2
-        low, high = (low, middle) if holds_stop(middle) else (middle + 1, high)
-    return low
-
-
 @dataclass
 class Episode:
     prompt: list[int]
@@ -324,64 +314,74 @@ class Episode:
     tool_errors: int = 0  # calls answered with an error message: malformed, unknown tool, wrong arguments
     seconds: float = 0.0  # from the start of run_episodes until the episode ended
     versions: list = field(default_factory=list)  # per model turn, the weight version the engine generated it from
+    fresh: int = 0  # the tokens of the environment's last answer, which no engine has seen
+    computed_again: int = 0  # tokens of its context the engine computed again at later turns (no cache kept them)
 
 
 class EpisodePlay:
-    """The turns of a batch of episodes, each episode on its own: the engine generates the turns of every episode that
-    waits for one, all in one generate, while the environments' calls of the others run in their processes; an episode
-    whose call answers is ready for its next turn, and the next generate takes it. A slow or hung call holds its own
-    episode alone (to --reward-timeout)."""
+    """The turns of a batch of episodes, each episode on its own: an episode's turn is a request to one engine (its
+    rank's, for every turn, where the keys and values of its earlier turns are kept), started as soon as its environment
+    answered, beside the turns of the other episodes under way (vLLM: continuous batching; hf: the turns that came
+    since its last generate, gathered into the next), while the environments' calls run in their processes. A slow or
+    hung call holds its own episode alone (to --reward-timeout). `engine_idle_share`, after `play`: the share of its
+    time the engines were not generating (EngineWorker.engine_work)."""
 
     def __init__(self, policy, env_calls, environments, tokenizer, eos_token_ids, max_turns, max_response_length, sampling):
         self.policy, self.env_calls, self.environments, self.tokenizer = policy, env_calls, environments, tokenizer
         self.eos_token_ids, self.max_turns, self.max_response_length = eos_token_ids, max_turns, max_response_length
-        self.sampling = sampling
+        self.sampling = sampling | dict(stop_strings=environments.stop_strings)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
         self.frame = AnswerFraming(tokenizer)
         self.frame_results = ToolResultFraming(tokenizer, tokenizer.convert_ids_to_tokens(eos_token_ids))
         self.failures, self.stepping, self.start = {}, {}, time.perf_counter()  # stepping: calls under way by ticket
+        self.name = uuid.uuid4().hex[:12]  # the play's, before its episodes' keys: plays may share engines
 
     def play(self, episodes: list[Episode]) -> None:
-        ready, generating = list(episodes), None
-        while ready or self.stepping or generating is not None:
-            if generating is None and ready:
-                generating, ready = (self._generate(ready), ready), []
-            if generating is not None and (not self.stepping or generating[0].done()):
-                pending, turns = generating
-                out = pending.result()
-                lengths = out["response_mask"].sum(-1).long().tolist()  # up to the first EOS
-                versions = out["weight_version"].tolist() if "weight_version" in out else [None] * len(turns)
-                for episode, tokens, log_probs, length, version in zip(
-                    turns, out["responses"], out["rollout_log_probs"], lengths, versions
-                ):
-                    episode.versions.append(version)
-                    self._take_turn(episode, tokens[:length].tolist(), log_probs[:length].tolist())
-                generating = None
-                continue
-            # while the engine generates, answers are gathered every 10 ms; else the first to come is taken at once
-            for ticket, outcome in self.env_calls.collect(timeout=None if generating is None else 0.01).items():
-                episode, action = self.stepping.pop(ticket)
-                if self._answer(episode, action, outcome):
-                    ready.append(episode)
+        ranks = self.policy.world_size
+        keys = {f"{self.name}/{i}": episode for i, episode in enumerate(episodes)}
+        rank_of = {key: i * ranks // len(episodes) for i, key in enumerate(keys)}  # a group's samples on one rank
+        waiting = {rank: [key for key in keys if rank_of[key] == rank] for rank in range(ranks)}  # ready for a turn
+        under_way, calls = dict.fromkeys(range(ranks), 0), {}
+        key_of = {id(episode): key for key, episode in keys.items()}
+        self.policy.broadcast("open_turns")
+        try:
+            while any(waiting.values()) or any(under_way.values()) or self.stepping:
+                for rank in range(ranks):
+                    if rank not in calls and (waiting[rank] or under_way[rank]):
+                        requests = [(key, keys[key].prompt + keys[key].tokens, self._room(keys[key])) for key in waiting[rank]]
+                        calls[rank] = self.policy.submit_rank(rank, "turns", self.name, requests, **self.sampling)
+                        under_way[rank], waiting[rank] = under_way[rank] + len(requests), []
+                # with no environment call to wait for, wait for an engine; else take the engines that answered
+                answered = [next(iter(calls))] if calls and not self.stepping else [r for r, c in calls.items() if c.done()]
+                for rank in answered:
+                    for key, tokens, log_probs, version, computed in calls.pop(rank).result():
+                        under_way[rank] -= 1
+                        episode = keys[key]
+                        episode.versions.append(version)
+                        if episode.turns:  # the context's tokens computed again: all but the answer and the last sampled
+                            episode.computed_again += max(0, computed - episode.fresh - 1)
+                        self._take_turn(episode, tokens, log_probs)
+                # the calls just made are sent at once; while the engines generate, answers are gathered every 10 ms;
+                # else the first to come is taken as it comes
+                timeout = 0.001 if answered else 0.01 if calls else None
+                for ticket, outcome in self.env_calls.collect(timeout=timeout).items():
+                    episode, action = self.stepping.pop(ticket)
+                    if self._answer(episode, action, outcome):
+                        waiting[rank_of[key_of[id(episode)]]].append(key_of[id(episode)])
+        finally:
+            self.policy.broadcast("close_turns", self.name)
+        engine_seconds = sum(work["seconds"] for work in self.policy.broadcast("engine_work"))
+        self.engine_idle_share = max(0.0, 1 - engine_seconds / (ranks * (time.perf_counter() - self.start)))
         report_failures(self.failures)
 
-    def _generate(self, ready: list[Episode]):
-        from common.data import collate
-        from common.dataproto import DataProto
-
-        contexts = collate(DataProto.from_dict(non_tensors={"prompt_ids": [e.prompt + e.tokens for e in ready]}), self.pad)
-        return self.policy.submit_scatter(
-            "generate",
-            contexts.select("prompts", "prompt_mask"),
-            **self.sampling,
-            max_response_length=max(self.max_response_length - len(e.tokens) for e in ready),
-            stop_strings=self.environments.stop_strings,
-        )
+    def _room(self, episode: Episode) -> int:
+        """The most tokens the episode's next turn may take."""
+        return self.max_response_length - len(episode.tokens)
 
     def _take_turn(self, episode: Episode, tokens: list[int], log_probs: list[float]) -> None:
         """Add the model's turn to `episode`, then end it or call its environment."""
         environments, tokenizer = self.environments, self.tokenizer
-        room = self.max_response_length - len(episode.tokens)
+        room = self._room(episode)
         end = stop_end(tokens, environments.stop_strings, tokenizer)
         if end is None and tokens and tokens[-1] in self.eos_token_ids:
             end = len(tokens)
@@ -438,6 +438,7 @@ class EpisodePlay:
             self._end(episode, "token_limit")
             return False
         episode.tokens += answer
+        episode.fresh = len(answer)
         episode.own += [False] * len(answer)
         episode.log_probs += [0.0] * len(answer)
         return True
@@ -458,7 +459,9 @@ def run_episodes(policy, batch, env_calls, environments, tokenizer, eos_token_id
     `max_response_length` tokens for the whole episode; and per row `final_turn` (the text a reward scores),
     `episode_score` (the environment's score, or None), `turn_rewards` (per model turn the environment played, what
     its turn_reward gave it, 0 without), `turns`, `ending` (one of ENDINGS), `tool_calls`, `tool_errors` and
-    `episode_seconds` (from the start until it ended); `turn_reward_tokens`, each turn's reward on that turn's last
+    `episode_seconds` (from the start until it ended), `computed_again` (tokens of its context its engine computed
+    again at a later turn) and `engine_idle_share` (the share of the play's time its engines were not generating, the
+    same on every row); `turn_reward_tokens`, each turn's reward on that turn's last
     token (see split_turn_rewards); and from engines that tag what they generate with their weights' version (rollout
     workers), the episode's `weight_version`, its first turn's (its oldest), and `newer_turns`, how many of its turns
     came from newer weights (an update arrived while it played). Each token's rollout log-prob is the one its engine
@@ -502,6 +505,8 @@ def run_episodes(policy, batch, env_calls, environments, tokenizer, eos_token_id
             "tool_calls": [e.tool_calls for e in episodes],
             "tool_errors": [e.tool_errors for e in episodes],
             "episode_seconds": [e.seconds for e in episodes],
+            "computed_again": [e.computed_again for e in episodes],
+            "engine_idle_share": [play.engine_idle_share] * len(episodes),
         },
     )
 
@@ -538,12 +543,17 @@ def report_failures(failures: dict) -> None:
 
 def episode_metrics(batch, prefix: str) -> dict[str, float]:
     """Model turns and tool calls (and those answered with an error message) per episode on average, the environment's
-    mean reward of each turn (`turn_reward_<k>`), and the share of episodes that ended each way (ENDINGS)."""
+    mean reward of each turn (`turn_reward_<k>`), the share of episodes that ended each way (ENDINGS), the share of
+    the play's time the engines stood idle (waiting for environments) and the context tokens they computed again per
+    turn after an episode's first (what no cache had kept of the earlier turns)."""
     endings, episodes = list(batch["ending"]), len(batch)
+    later_turns = sum(max(0, turns - 1) for turns in batch["turns"])
     metrics = {
         f"{prefix}turns_mean": sum(batch["turns"]) / episodes,
         f"{prefix}tool_calls": sum(batch["tool_calls"]) / episodes,
         f"{prefix}tool_errors": sum(batch["tool_errors"]) / episodes,
+        f"{prefix}engine_idle_share": sum(batch["engine_idle_share"]) / episodes,
+        f"{prefix}computed_again_per_turn": sum(batch["computed_again"]) / max(1, later_turns),
     }
     if "newer_turns" in batch:  # turns generated from newer weights than their episode's first (off-policy)
         metrics[f"{prefix}newer_turns"] = batch["newer_turns"].float().mean().item()

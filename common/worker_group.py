@@ -337,11 +337,13 @@ class WorkerGroup:
             return getattr(worker, method)(*args, **kwargs)
         return getattr(worker, method).remote(*args, **kwargs)
 
-    def _get(self, refs, method: str, call: str | None = None) -> list:
-        """The results of `method` on every rank; `call`: what the call is, for its bound (see Pending)."""
+    def _get(self, refs, method: str, call: str | None = None, ranks: list[int] | None = None) -> list:
+        """The results of `method` on `ranks` (default: every rank); `call`: what the call is, for its bound (see
+        Pending)."""
         if self.in_process:
             return refs
-        return _gather([(ref, self.name, rank, method) for rank, ref in enumerate(refs)], [(self, call or method)])
+        ranks = range(len(refs)) if ranks is None else ranks
+        return _gather([(ref, self.name, rank, method) for rank, ref in zip(ranks, refs)], [(self, call or method)])
 
     def bound(self, call: str) -> float:
         """The seconds the driver waits for `call` on this group (see FIRST_CALL, SLOWER)."""
@@ -399,6 +401,11 @@ class WorkerGroup:
     def submit(self, method: str, *args, **kwargs) -> Pending:
         """broadcast without waiting for it: the ranks start now (in process, the call has already run)."""
         return Pending(self, [self._call(w, method, *args, **kwargs) for w in self.workers], method)
+
+    def submit_rank(self, rank: int, method: str, *args, **kwargs) -> Pending:
+        """`method` on one rank alone, without waiting for it; its result is that rank's."""
+        call = self._call(self.workers[rank], method, *args, **kwargs)
+        return Pending(self, [call], method, lambda results: results[0], call=method, ranks=[rank])
 
     def scatter(self, method: str, data: DataProto, **kwargs):
         """Split `data` across ranks (padding to a multiple of the world size), call all, reassemble.
@@ -464,11 +471,12 @@ class WorkerGroup:
 class Pending:
     """A method under way on every rank of a group (WorkerGroup.submit, submit_scatter)."""
 
-    def __init__(self, group: WorkerGroup, refs: list, method: str, reassemble=lambda results: results, call=None):
+    def __init__(self, group: WorkerGroup, refs: list, method: str, reassemble=lambda results: results, call=None, ranks=None):
         """`call`: what the call is, whose earlier waits set its bound (WorkerGroup.bound): the method, and for a
-        scatter the rows it deals (a validation's batch need not take as long as a step's)."""
+        scatter the rows it deals (a validation's batch need not take as long as a step's). `ranks`: the ranks called
+        (default: every one)."""
         self.group, self.refs, self.method, self.reassemble = group, refs, method, reassemble
-        self.call = call or method
+        self.call, self.ranks = call or method, ranks
 
     def done(self) -> bool:
         """Whether every rank has answered: `result` then waits no more."""
@@ -482,7 +490,7 @@ class Pending:
     def result(self):
         """Wait for every rank; the group's result (a rank that died: WorkerDied; one that gave no answer within the
         bound: WorkerStopped)."""
-        return self.reassemble(self.group._get(self.refs, self.method, self.call))
+        return self.reassemble(self.group._get(self.refs, self.method, self.call, self.ranks))
 
 
 def wait_all(*calls: Pending) -> list:

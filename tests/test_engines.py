@@ -9,7 +9,7 @@ from ray import cloudpickle
 
 from common import engines
 from common.engines import EngineContext, check_engine, register_engine
-from common.rollout import HFRollout
+from common.hf_engine import HFRollout
 from common.worker_group import WorkerGroup
 from helpers import PolicyProbe
 

@@ -6,7 +6,7 @@ from transformers import GenerationConfig, LogitsProcessorList
 
 from common.data import collate
 from common.dataproto import DataProto
-from common.rollout import HFRollout, InverseCDFSample, SampledLogProbs, shared_prompt_cache
+from common.hf_engine import HFRollout, InverseCDFSample, SampledLogProbs, shared_prompt_cache
 from helpers import local_model
 
 
@@ -50,3 +50,42 @@ def test_each_token_is_drawn_at_its_probability_and_left_the_only_one_possible()
     error = (probabilities * (1 - probabilities) / rows).sqrt()
     assert ((shares - probabilities).abs() <= 5 * error).all(), (shares, probabilities)
     assert shares[4] == 0
+
+
+def test_an_episodes_next_turn_starts_from_its_kept_keys_and_values_and_generates_what_a_full_pass_would(
+    tiny_model, tokenizer
+):
+    model, pad, eos = local_model(tiny_model).eval(), tokenizer.pad_token_id, [tokenizer.eos_token_id]
+    greedy = dict(do_sample=False, temperature=1.0, top_p=1.0, top_k=0, stop_strings=None)
+    prompts = [tokenizer(text).input_ids for text in ["12+34=", "7*8=", "100+1="]]  # of three lengths
+
+    def turns(engine, contexts: dict) -> dict:
+        for key, context in contexts.items():
+            engine.add_request(key, context, 6, **greedy)
+        return {key: rest for key, *rest in engine.finished_requests()}
+
+    engine = HFRollout(model, tokenizer, eos, pad)
+    engine.open_requests()
+    first = turns(engine, {f"play/{i}": prompt for i, prompt in enumerate(prompts)})
+    answers = [tokenizer(text, add_special_tokens=False).input_ids for text in ["=46;", "56;", "=101;"]]
+    kept = [len(first[f"play/{i}"][0]) for i in range(2)] + [2]  # the third episode's turn cut after 2 tokens
+    second_contexts = {
+        f"play/{i}": prompt + first[f"play/{i}"][0][: kept[i]] + answer
+        for i, (prompt, answer) in enumerate(zip(prompts, answers))
+    }
+    second = turns(engine, second_contexts)
+    # each context computed from where the kept keys and values end: the answer, after the first turn's last token
+    # (which no forward had read) where the whole turn was kept
+    assert [second[f"play/{i}"][2] for i in range(2)] == [len(answers[i]) + 1 for i in range(2)]
+    assert second["play/2"][2] <= len(answers[2]) + kept[2]
+
+    fresh = HFRollout(model, tokenizer, eos, pad)  # nothing kept: every context computed whole
+    fresh.open_requests()
+    whole = turns(fresh, second_contexts)
+    assert [whole[key][2] for key in second_contexts] == [len(context) for context in second_contexts.values()]
+    for key in second_contexts:
+        assert second[key][0] == whole[key][0]
+        # fp32 both ways; keys and values computed in other batches and shapes: rounding alone differs
+        torch.testing.assert_close(torch.tensor(second[key][1]), torch.tensor(whole[key][1]), atol=1e-5, rtol=0)
+    engine.close_requests("play/", last=True)
+    assert engine.held == {}

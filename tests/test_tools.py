@@ -12,7 +12,6 @@ import shlex
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from common.data import DataError, collate, load_prompts
 from common.dataproto import DataProto
@@ -115,28 +114,31 @@ def tool_tokenizer(tiny_model):
 
 
 class ScriptedEngine:
-    """Generates what `script` says: for a prompt holding a key of it, its turns in order, each ended by EOS."""
+    """Generates what `script` says, as a worker group of one rank: for a context holding a key of it, its turns in
+    order, each ended by EOS."""
+
+    world_size = 1
 
     def __init__(self, tokenizer, script: dict[str, list[str]]):
         self.tokenizer, self.script = tokenizer, script
 
-    def submit_scatter(self, method, contexts, max_response_length, **sampling):
-        """What a worker group's submit_scatter gives: the generated turns, ready at once."""
-        turns = self.generate(contexts, max_response_length)
+    def broadcast(self, method, *args):
+        """open_turns, close_turns, engine_work: what a worker group's ranks give."""
+        return [dict(seconds=0.0, prefilled_tokens=0)]
+
+    def submit_rank(self, rank, method, play, requests, **sampling):
+        """The turns of `requests` (key, context, most tokens), ready at once."""
+        turns = []
+        for key, context, max_tokens in requests:
+            tokens = self.turn(context, max_tokens)
+            turns.append((key, tokens, [-0.5] * len(tokens), None, len(context)))
         return SimpleNamespace(done=lambda: True, result=lambda: turns)
 
-    def generate(self, contexts, max_response_length):
-        rows = []
-        for context in contexts["prompts"]:
-            text = self.tokenizer.decode(context)
-            turns = next(turns for key, turns in self.script.items() if key in text)
-            turn = turns[text.count("<|im_start|>assistant") - 1]
-            rows.append(self.tokenizer(turn, add_special_tokens=False)["input_ids"][: max_response_length - 1])
-            rows[-1].append(self.tokenizer.eos_token_id)
-        width = max(map(len, rows))
-        responses = torch.tensor([row + [self.tokenizer.pad_token_id] * (width - len(row)) for row in rows])
-        mask = torch.tensor([[1.0] * len(row) + [0.0] * (width - len(row)) for row in rows])
-        return DataProto.from_dict({"responses": responses, "response_mask": mask, "rollout_log_probs": -0.5 * mask})
+    def turn(self, context: list[int], max_tokens: int) -> list[int]:
+        text = self.tokenizer.decode(context)
+        turns = next(turns for key, turns in self.script.items() if key in text)
+        turn = turns[text.count("<|im_start|>assistant") - 1]
+        return self.tokenizer(turn, add_special_tokens=False)["input_ids"][: max_tokens - 1] + [self.tokenizer.eos_token_id]
 
 
 def call(name: str, **arguments) -> str:

@@ -18,7 +18,7 @@ import grpo_hybrid
 from common.envs import ENV_CALLS, Environments
 from common.isolation import InProcessCalls
 from common.memory import machine_memory_bytes
-from common.rollout import MAX_NUM_SEQS, kv_cache_bytes
+from common.vllm_engine import MAX_NUM_SEQS, kv_cache_bytes
 from common.rollout_correction import rollout_logprob_gap
 from common.weight_sync import engine_weights
 from common.worker_group import WorkerGroup

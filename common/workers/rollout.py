@@ -93,8 +93,10 @@ class RolloutWorker(EngineWorker):
         """Load what the policy's rank 0 sends (PolicyWorker.send_weights): from now on the engine generates from
         version `version`. Every weight the engine has must arrive, or it would generate from stale ones. Returns the
         log-probs at temperature 1 of the last `answer_length` tokens of `probe`, each after those before it, as the
-        engine now computes them (see SplitEngines.send_weights)."""
+        engine now computes them (see SplitEngines.send_weights). Episodes' turns under way end first, from the
+        weights they began with."""
         self.idle += time.perf_counter() - self.idle_since
+        self.finish_turns()
         weights = weight_sync.received_tensors(self.weight_group, self.device)
         if self.adapter_config is not None:
             self.rollout.load_adapter(dict(weights), self.adapter_config)

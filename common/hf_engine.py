@@ -1,0 +1,301 @@
+"""The hf engine: transformers' generate on the training policy itself (every FSDP unit gathered once for the call), or
+apart on a whole model loaded from the checkpoint (registered in common/engines.py)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from common.rollout import stop_end
+
+
+class HFRollout:
+    """transformers' generate on the training policy itself, every FSDP unit gathered once for the call.
+
+    Episodes' turns come as requests (add_request, between open_requests and close_requests): each `finished_requests`
+    gathers the requests added since the last into one generate, and an episode's keys and values are kept from one of
+    its turns to the next, so a turn computes only what came after the last (the environment's answer) where the model's
+    cache is transformers' plain one (every layer a DynamicLayer); else each turn runs its whole context again."""
+
+    def __init__(self, policy, tokenizer, eos_token_ids: list[int], pad_token_id: int):
+        self.policy, self.tokenizer, self.eos_token_ids, self.pad_token_id = policy, tokenizer, eos_token_ids, pad_token_id
+        self.prefilled_tokens, self.requests, self.held, self.gathered = 0, [], {}, None
+
+    def generate(self, prompts, prompt_mask, max_response_length, do_sample, temperature, top_p, top_k, stop_strings=None):
+        """[batch, steps] response tokens and their log-probs under the distribution they were sampled from."""
+        sampling = dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k, stop_strings=stop_strings)
+        with unsharded(self.policy):
+            cache = shared_prompt_cache(self.policy, prompts, prompt_mask)
+            prefilled = prefilled_tokens(prompts, prompt_mask, shared=cache is not None)
+            return self._generate(prompts, prompt_mask, cache, prefilled, max_response_length, **sampling)[:2]
+
+    def _generate(self, input_ids, attention_mask, cache, prefilled: int, max_new_tokens: int, alone=False, **sampling):
+        """generate's new tokens, their log-probs and the cache it leaves, from `cache` holding the keys and values of
+        the first columns of `input_ids` (or None); `prefilled`: the context's tokens this computes, counted. `alone`:
+        this rank generates on its own (else every rank of an FSDP policy generates at once, and generate keeps them in
+        step until the last is done)."""
+        from transformers import GenerationConfig, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+        from transformers import TopPLogitsWarper
+
+        self.policy.eval()
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            stop_strings=sampling["stop_strings"] or None,
+            do_sample=False,  # generate's greedy pick takes the one token InverseCDFSample leaves possible
+            return_dict_in_generate=True,
+        )
+        do_sample, temperature, top_p, top_k = (sampling[key] for key in ("do_sample", "temperature", "top_p", "top_k"))
+        recorder = SampledLogProbs(temperature if do_sample else 1.0)
+        processors = [recorder]
+        if do_sample:  # generate's own warpers, in its order and on its conditions, then one uniform draw per row
+            processors += [TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k != 0 else [])
+            processors += ([TopPLogitsWarper(top_p)] if top_p < 1.0 else []) + [InverseCDFSample()]
+        self.prefilled_tokens += prefilled
+        output = self.policy.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            generation_config=config,
+            logits_processor=LogitsProcessorList(processors),
+            tokenizer=self.tokenizer,  # what stop strings are matched with
+            **(dict(synced_gpus=False) if alone else {}),
+        )
+        responses = output.sequences[:, input_ids.shape[1] :]
+        return responses, recorder.log_probs(responses), output.past_key_values
+
+    def open_requests(self) -> None:
+        """Take requests from now on: the policy's shards gathered until close_requests."""
+        self.gathered = unsharded(self.policy)
+        self.gathered.__enter__()
+
+    def add_request(self, key: str, tokens: list[int], max_tokens: int, **sampling) -> None:
+        """Generate a response to `tokens` at the next finished_requests; `key`: the episode's, whose earlier turns'
+        keys and values this one starts from where its tokens begin with theirs."""
+        self.requests.append((key, tokens, max_tokens, sampling))
+
+    def finished_requests(self) -> list[tuple[str, list[int], list[float], int]]:
+        """Every request added since the last call, generated together (those of equal sampling settings): each one's
+        key, tokens (up to its EOS or stop string), their log-probs and how many of its context's tokens it computed."""
+        finished, requests, self.requests = [], self.requests, []
+        for sampling in {str(sorted(r[3].items())): r[3] for r in requests}.values():
+            finished += self._finish([r for r in requests if r[3] == sampling], sampling)
+        return finished
+
+    def close_requests(self, prefix: str, last: bool) -> None:
+        """Drop the keys and values of the episodes whose keys start with `prefix`; after the `last` play, give the
+        policy's shards back."""
+        self.held = {key: held for key, held in self.held.items() if not key.startswith(prefix)}
+        if last:
+            self.gathered.__exit__(None, None, None)
+
+    def _finish(self, requests: list, sampling: dict) -> list[tuple[str, list[int], list[float], int]]:
+        reuse = [held_prefix(self.held.get(key), tokens) for key, tokens, _, _ in requests]  # tokens whose cache is held
+        input_ids, mask, cache, prefilled, columns = self._contexts(requests, reuse)
+        max_tokens = max(r[2] for r in requests)
+        responses, log_probs, cache = self._generate(input_ids, mask, cache, prefilled, max_tokens, alone=True, **sampling)
+        lengths = response_lengths(responses, self.eos_token_ids, sampling["stop_strings"], self.tokenizer)
+        finished = []
+        for i, ((key, tokens, _, _), length) in enumerate(zip(requests, lengths)):
+            response = responses[i, :length].tolist()
+            if keeps_plain_cache(cache):  # the context's and the response's but the last token's, which no forward read
+                taken = torch.cat([columns[i], torch.arange(input_ids.shape[1], input_ids.shape[1] + length - 1)])
+                layers = [(layer.keys[i][:, taken], layer.values[i][:, taken]) for layer in cache.layers]
+                self.held[key] = (tokens + response[:-1], layers)
+            finished.append((key, response, log_probs[i, :length].tolist(), len(tokens) - reuse[i]))
+        return finished
+
+    def _contexts(self, requests: list, reuse: list[int]):
+        """The requests' tokens left-padded into one batch, and a cache of what earlier turns computed: row i's first
+        reuse[i] tokens, whose keys and values are held, end at column C (the longest held), its other tokens end the
+        row, pads between are masked. Returns input_ids, attention_mask, the cache (None: nothing held), the tokens it
+        leaves to compute and each row's real columns."""
+        device = self.policy.device
+        width_held = max(reuse)
+        width_new = max(len(r[1]) - used for r, used in zip(requests, reuse))
+        width = width_held + width_new
+        input_ids = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long, device=device)
+        mask = torch.zeros_like(input_ids)
+        columns = []
+        for i, ((key, tokens, _, _), used) in enumerate(zip(requests, reuse)):
+            new = len(tokens) - used
+            input_ids[i, width_held - used : width_held] = torch.tensor(tokens[:used], dtype=torch.long)
+            input_ids[i, width - new :] = torch.tensor(tokens[used:], dtype=torch.long)
+            mask[i, width_held - used : width_held] = 1
+            mask[i, width - new :] = 1
+            columns.append(mask[i].nonzero().squeeze(-1).cpu())
+        if width_held == 0:  # first turns: a group's samples share their prompt's keys and values
+            cache = shared_prompt_cache(self.policy, input_ids, mask)
+            return input_ids, mask, cache, prefilled_tokens(input_ids, mask, shared=cache is not None), columns
+        return input_ids, mask, self._held_cache(requests, reuse, width_held), int(mask[:, width_held:].sum()), columns
+
+    def _held_cache(self, requests: list, reuse: list[int], width: int):
+        """A cache of `width` columns holding each row's first `reuse[i]` held keys and values, right-aligned."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.policy.config)
+        some_held = self.held[next(key for (key, *_), used in zip(requests, reuse) if used)][1]
+        for layer_index, (some_keys, some_values) in enumerate(some_held):
+            keys, values = [], []
+            for (key, *_), used in zip(requests, reuse):
+                held_keys, held_values = self.held[key][1][layer_index] if used else (some_keys, some_values)
+                pad = (0, 0, width - used, 0)  # zeros before: masked columns
+                keys.append(torch.nn.functional.pad(held_keys[:, :used], pad))
+                values.append(torch.nn.functional.pad(held_values[:, :used], pad))
+            cache.update(torch.stack(keys), torch.stack(values), layer_index)
+        return cache
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.policy.dtype
+
+    def load_weights(self, weights) -> None:
+        """Copy (name, tensor) pairs, named as the model's parameters, into the model (an engine apart's own)."""
+        params = dict(self.policy.named_parameters(remove_duplicate=False))
+        received = set()
+        for name, tensor in weights:  # to the end of the stream, whatever arrives: the sender waits for it
+            if name in params:
+                params[name].copy_(tensor)
+                received.add(name)
+        missing = sorted(set(params) - received)
+        if missing:
+            raise RuntimeError(f"the rollout engine received no weights for {missing}: it would generate with stale ones")
+        self.held = {}  # the episodes' keys and values were computed with the old weights
+
+    @torch.no_grad()
+    def prompt_log_probs(self, tokens: list[int]) -> torch.Tensor:
+        """log p(token | the tokens before it) for every token of `tokens` but the first, at temperature 1."""
+        logits = self.policy(torch.tensor([tokens], device=self.policy.device)).logits[0, :-1].float()
+        following = torch.tensor(tokens[1:], device=logits.device)
+        return torch.log_softmax(logits, dim=-1).gather(-1, following[:, None]).squeeze(-1).cpu()
+
+
+def shared_prompt_cache(model, prompts, prompt_mask):
+    """The keys and values of every prompt token but the last, computed once per distinct prompt and copied to each row
+    that holds it (a group's n samples), or None when no two rows share a prompt. `generate` then runs only the last
+    prompt token and the response: the prompt's forward, a large part of a short response's cost, runs once, not n times.
+    Positions as `generate` numbers them (the mask's cumulative sum), so each row's logits are those of a full pass."""
+    from transformers import DynamicCache
+
+    if prompts.shape[1] < 2:
+        return None
+    # rows equal in tokens and mask alike: a pad id can also be a real token
+    distinct, row_of = torch.unique(torch.cat([prompts, prompt_mask.to(prompts.dtype)], -1), dim=0, return_inverse=True)
+    if len(distinct) == len(prompts):
+        return None
+    tokens, mask = distinct.split(prompts.shape[1], dim=-1)  # [distinct, prompt_len] each
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left-padded: the pads before a prompt at 0, as generate has them
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(
+            input_ids=tokens[:, :-1],
+            attention_mask=mask[:, :-1],
+            position_ids=positions[:, :-1],
+            past_key_values=cache,
+            logits_to_keep=1,
+        )
+    cache.batch_select_indices(row_of)
+    return cache
+
+
+def prefilled_tokens(prompts, prompt_mask, shared: bool) -> int:
+    """The prompt tokens a generate computes: every one, or with a shared prompt cache (shared_prompt_cache) each
+    distinct prompt's once and each row's last."""
+    if not shared:
+        return int(prompt_mask.sum())
+    distinct = torch.unique(torch.cat([prompts, prompt_mask.to(prompts.dtype)], -1), dim=0)  # [distinct, 2 * prompt_len]
+    return int(distinct[:, prompts.shape[1] : -1].sum()) + int(prompt_mask[:, -1].sum())
+
+
+def held_prefix(held, tokens: list[int]) -> int:
+    """How many of `tokens`' first tokens have keys and values in `held` (an episode's earlier turn's tokens and cache):
+    the prefix they share, less the last token, which the next generate must run to sample after it."""
+    if held is None:
+        return 0
+    shared = 0
+    for mine, theirs in zip(held[0], tokens[:-1]):
+        if mine != theirs:
+            break
+        shared += 1
+    return shared
+
+
+def keeps_plain_cache(cache) -> bool:
+    """Whether a cache's layers each keep every position's keys and values (transformers' DynamicLayer), which an
+    episode's next turn can start from (a sliding window's or a linear attention's state cannot be cut per row)."""
+    from transformers.cache_utils import DynamicLayer
+
+    return cache is not None and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def response_lengths(responses, eos_token_ids: list[int], stop_strings, tokenizer) -> list[int]:
+    """Each row's tokens up to and including its first EOS or the token that completes a stop string (generate pads
+    after either), or all of them."""
+    lengths = []
+    for row in responses.tolist():
+        length = next((i + 1 for i, token in enumerate(row) if token in eos_token_ids), len(row))
+        lengths.append(stop_end(row[:length], stop_strings or [], tokenizer) or length)
+    return lengths
+
+
+@contextmanager
+def unsharded(model):
+    """Gather every shard once for the duration, so forwards need no collective.
+
+    `generate` runs a different number of forwards on each rank (each stops at
+    its own EOS): with sharded layers those forwards would all-gather and hang.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not modules:  # a rollout worker's own model: whole already
+        yield
+        return
+    model.set_reshard_after_forward(False)
+    for module in modules:
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.reshard()
+        for module in modules[1:]:
+            module.set_reshard_after_forward(True, recurse=False)
+
+
+class InverseCDFSample:
+    """A logits processor that draws each row's next token from the softmax of its scores and leaves only that token
+    possible: one uniform draw per row against the cumulative probabilities (in float64, so that no token's share
+    rounds away), where `generate`'s torch.multinomial draws one exponential per vocabulary entry, a tenth of the hf
+    engine's generation on a CPU with a 49k vocabulary."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        cdf = torch.softmax(scores.float(), dim=-1).double().cumsum(-1)  # [batch, vocab]
+        drawn = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # [batch, 1], below the total
+        tokens = torch.searchsorted(cdf, drawn, right=True).clamp_(max=cdf.shape[-1] - 1)  # the first cdf above it
+        return torch.full_like(scores, -torch.inf).scatter_(-1, tokens, 0.0)
+
+
+class SampledLogProbs:
+    """A logits processor that records log p(token) of each sampled token, one step at a time.
+
+    Placed before generate's own temperature warper, it sees the model's logits
+    and applies the temperature itself, as the trainer does. Holding only the
+    last step's distribution keeps memory at [batch, vocab], not [batch, steps, vocab].
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature, self.last, self.taken = temperature, None, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.last is not None:  # the last column of input_ids was sampled from the last distribution
+            self.taken.append(self.last.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def log_probs(self, responses: torch.Tensor) -> torch.Tensor:
+        """[batch, steps] log-probs of `responses` (generate's new tokens)."""
+        taken = self.taken + [self.last.gather(-1, responses[:, -1:]).squeeze(-1)]
+        return torch.stack(taken, dim=1)

@@ -1,0 +1,320 @@
+"""The vllm engine: a vLLM engine (imported only when chosen) in the process of the worker that generates, on GPUs and on
+CPUs alike (registered in common/engines.py).
+
+Each policy rank runs its own engine (tensor parallel size 1) on its own share of the prompts. vLLM's external-launcher
+mode makes the engine join the torch.distributed group the worker already formed instead of starting one: every rank
+then is an independent replica. On a GPU the engine sleeps while the policy trains: before each generation it wakes its
+weights, receives the policy's (all of them, or just the LoRA adapter), then wakes its KV cache; after generation it
+sleeps again. vLLM's CPU backend has no sleep mode, so there the engine stays awake: its copy of the weights and its KV
+cache stay in memory while the policy trains. Without a policy (a rollout worker's, common/workers/rollout.py) it
+generates from the weights last sent to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+
+from common import weight_sync
+from common.memory import machine_memory_bytes
+
+# The maximum LoRA ranks vLLM accepts; an adapter of a smaller rank is served in the next one up.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# Sequences an engine decodes at once; more wait for a free slot. The CPU KV cache is sized for this many.
+MAX_NUM_SEQS = 256
+
+
+def write_adapter(path: str, tensors: dict[str, torch.Tensor], peft_config) -> None:
+    """A PEFT adapter folder, as vLLM loads adapters: adapter_config.json and adapter_model.safetensors."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path)
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, os.path.join(path, "adapter_model.safetensors"))
+    peft_config.save_pretrained(path)
+
+
+def serves_adapter(lora: bool, lora_sync: str, on_gpu: bool) -> bool:
+    """Whether a vLLM engine serves the policy's LoRA adapter (sent alone after each update) rather than receiving
+    every weight with the adapter merged in: `lora_sync` says, "auto" merging on CPUs (see VLLMRollout)."""
+    return lora and (lora_sync == "adapter" or (lora_sync == "auto" and on_gpu))
+
+
+def kv_cache_bytes(model_path: str, max_model_len: int, dtype: torch.dtype, engines: int) -> int:
+    """Memory for the keys and values of MAX_NUM_SEQS sequences of `max_model_len` tokens (block-aligned), or of as
+    many as fit in a quarter of the machine's memory shared by its `engines` (one at least): with long responses
+    vLLM then runs fewer sequences at a time instead of refusing to start."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    per_token = (
+        2 * config.num_hidden_layers * (getattr(config, "num_key_value_heads", None) or heads) * head_dim * dtype.itemsize
+    )
+    sequence = per_token * math.ceil(max_model_len / 128) * 128
+    share = machine_memory_bytes() // (4 * engines)
+    return sequence * max(1, min(MAX_NUM_SEQS, share // sequence))
+
+
+def reload_weights(worker, weights) -> list[str]:
+    """Runs inside vLLM's worker: vLLM's in-place reload, which also runs the model's post-load processing
+    (the CPU backend's repacking, quantisation). Returns the engine's parameters that received nothing."""
+    # vLLM warns at every reload that layers without weights (the rotary embedding) received none; the names
+    # returned below cover every parameter instead. Set at each call: set once after import, it did not hold.
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+    model = worker.model_runner.get_model()
+    expected = {name.replace(".base_layer.", ".") for name, _ in model.named_parameters(remove_duplicate=False)}
+    loaded, load = set(), model.load_weights
+
+    def recording_load(weights):
+        names = load(weights)
+        loaded.update(names)
+        return names
+
+    model.load_weights = recording_load
+    try:
+        worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+    finally:
+        del model.load_weights
+    return sorted(expected - loaded)
+
+
+class VLLMRollout:
+    """A vLLM engine that generates from `policy` (FSDP2-sharded, LoRA or not) as it is at each call; without a policy
+    (a rollout worker's, in a process of its own), from the weights last loaded into it."""
+
+    def __init__(
+        self,
+        policy,
+        optimizer,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        model_path: str,
+        rank: int,
+        world_size: int,
+        master: tuple[str, int],
+        seed: int,
+        on_gpu: bool,
+        dtype: torch.dtype,
+        gpu_memory_utilization: float,
+        max_model_len: int,
+        lora_sync: str = "auto",
+        offload: bool = False,
+        frozen: bool = False,
+        adapter_config=None,
+    ):
+        """The engine loads the base weights from `model_path`; with LoRA it serves the policy's adapter on top
+        of them, or receives the adapter merged into every weight: `lora_sync` "adapter" or "merged"; "auto" merges on
+        CPUs, where vLLM's LoRA kernels cost more than the model (3.4x the generation time on SmolLM2-135M), and sends
+        the adapter on GPUs. `offload` moves the policy's
+        weights and optimiser state to CPU memory while the engine generates (on GPUs). `frozen`: the policy never
+        changes (a judge), so the engine keeps the weights it loaded and is sent none. Without a policy the engine has
+        its accelerator to itself and never sleeps; `adapter_config` (a LoraConfig) is then the adapter it will be sent,
+        if any."""
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not every reload and cache reset at INFO
+        from vllm import LLM
+
+        self.policy, self.optimizer, self.eos_token_ids, self.pad_token_id = policy, optimizer, eos_token_ids, pad_token_id
+        self.offload, self.on_gpu, self.dtype, self.frozen = offload, on_gpu, dtype, frozen
+        adapter = policy.peft_config[weight_sync.ADAPTER] if hasattr(policy, "peft_config") else adapter_config
+        self.colocated = policy is not None
+        self.serves_adapter = serves_adapter(adapter is not None, lora_sync, on_gpu)
+        # What external-launcher mode reads to place this process; the group itself already exists.
+        addr, port = master
+        os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR=addr, MASTER_PORT=str(port))
+        lora = {}
+        if self.serves_adapter:
+            max_lora_rank = min((r for r in VLLM_LORA_RANKS if r >= adapter.r), default=adapter.r)
+            lora = dict(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+        if on_gpu:
+            memory = dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
+        else:
+            # The CPU backend would read gpu_memory_utilization as each engine's share of the whole machine. Eager,
+            # since torch.compile on the CPU needs a C++ compiler, which a laptop may not have.
+            memory = dict(
+                kv_cache_memory_bytes=kv_cache_bytes(model_path, max_model_len, dtype, world_size), enforce_eager=True
+            )
+        # An engine sent every weight before each generation never reads the checkpoint: its weights always arrive
+        # from the policy, in its own dtype (vLLM would cast each of an fp32 checkpoint's, warning each time).
+        sent_every_weight = self.colocated and not frozen and not self.serves_adapter
+        self.llm = LLM(
+            model=model_path,
+            load_format="dummy" if sent_every_weight else "auto",
+            tensor_parallel_size=1,
+            distributed_executor_backend="external_launcher",
+            dtype=dtype,
+            seed=seed + rank,
+            max_model_len=max_model_len,
+            max_num_seqs=MAX_NUM_SEQS,
+            enable_prefix_caching=True,
+            # log-probs of the distribution tokens are sampled from (after temperature), as the trainer computes them
+            logprobs_mode="processed_logprobs",
+            **memory,
+            **lora,
+        )
+        # Level 1 keeps the base weights (in CPU memory) for the adapter to sit on, or for a frozen engine; level 2
+        # drops them, since the policy sends all of them at every wake.
+        self.sleep_level = 1 if self.serves_adapter or frozen else 2
+        self.adapter_dir = tempfile.mkdtemp(prefix="hybridrl_adapter_")
+        self.lora_request = None
+        self.prefilled_tokens, self.requests_added, self.request_keys = 0, 0, {}  # request id -> its episode's key
+        self._sleep()
+
+    def generate(self, prompts, prompt_mask, max_response_length, do_sample, temperature, top_p, top_k, stop_strings=None):
+        """[batch, steps] response tokens and their log-probs, from an engine woken with the policy's current weights."""
+        self.open_requests()
+        token_lists = [row[mask.bool()].tolist() for row, mask in zip(prompts, prompt_mask)]
+        sampling = dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k, stop_strings=stop_strings)
+        tokens, log_probs = self._generate(token_lists, max_response_length, **sampling)
+        self.close_requests()
+        longest = max(1, max(len(t) for t in tokens))
+        responses = torch.full((len(tokens), longest), self.pad_token_id, dtype=torch.long)
+        rollout_log_probs = torch.zeros(len(tokens), longest)
+        for i, (ids, values) in enumerate(zip(tokens, log_probs)):
+            responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            rollout_log_probs[i, : len(values)] = torch.tensor(values)
+        return responses.to(prompts.device), rollout_log_probs.to(prompts.device)
+
+    def open_requests(self) -> None:
+        """Wake the engine with the policy's current weights (colocated) and start its prefix cache afresh: an
+        episode's turns then find the keys and values of its earlier ones there until close_requests."""
+        sleeps = self.on_gpu and self.colocated
+        if sleeps:
+            self.llm.wake_up(tags=["weights"])
+        if self.colocated and not self.frozen:
+            self.sync_weights()
+        if self.offload:
+            self.policy_device = next(self.policy.parameters()).device
+            move_policy(self.policy, self.optimizer, "cpu")
+        if sleeps:
+            self.llm.wake_up(tags=["kv_cache"])
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+
+    def add_request(self, key: str, tokens: list[int], max_tokens: int, **sampling) -> None:
+        """Start a response to `tokens` now, beside those under way (continuous batching); `key`: the episode's."""
+        from vllm.sampling_params import RequestOutputKind
+
+        self.requests_added += 1
+        params = self._sampling_params(max_tokens, **sampling)
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        prompt = {"prompt_token_ids": tokens}
+        self.llm.llm_engine.add_request(f"{key}#{self.requests_added}", prompt, params, lora_request=self.lora_request)
+        self.request_keys[f"{key}#{self.requests_added}"] = key
+
+    def finished_requests(self, seconds: float = 0.05) -> list[tuple[str, list[int], list[float], int]]:
+        """Step the engine until a request ends (or `seconds` passed, or none is under way): those that ended, each
+        with its key, tokens, their log-probs and how many of its prompt's tokens missed the prefix cache."""
+        engine, finished, start = self.llm.llm_engine, [], time.perf_counter()
+        while engine.has_unfinished_requests() and not finished:
+            for output in engine.step():
+                if output.finished:
+                    tokens, log_probs = self._response(output)
+                    computed = len(output.prompt_token_ids) - (output.num_cached_tokens or 0)
+                    finished.append((self.request_keys.pop(output.request_id), tokens, log_probs, computed))
+            if time.perf_counter() - start > seconds:
+                break
+        return finished
+
+    def close_requests(self, prefix: str = "", last: bool = True) -> None:
+        """After the `last` play: put the engine back to sleep (colocated, on GPUs) and the policy back where it trains.
+        (The prefix cache lets go of the play's episodes, `prefix`, as it needs room.)"""
+        if not last:
+            return
+        self._sleep()
+        if self.offload:
+            move_policy(self.policy, self.optimizer, self.policy_device)
+
+    def sync_weights(self) -> None:
+        """Send the engine the policy as it is now: the adapter alone, or every weight (a collective: every rank)."""
+        if self.serves_adapter:
+            self.load_adapter(weight_sync.engine_adapter(self.policy), self.policy.peft_config[weight_sync.ADAPTER])
+        else:
+            self.load_weights(weight_sync.engine_weights(self.policy))
+
+    def _sleep(self) -> None:
+        if self.on_gpu and self.colocated:
+            self.llm.sleep(level=self.sleep_level)
+
+    def load_weights(self, weights) -> None:
+        """Copy (name, tensor) pairs, named as in the model's checkpoint, into the engine's model: every parameter."""
+        # Copies in the engine's dtype (vLLM would cast each, warning each time). Copies, since the gathered tensors
+        # are freed with their unit, and vLLM defers a layer whose parameter it pads (the vocabulary embedding)
+        # until every weight has arrived.
+        weights = ((name, tensor.to(self.dtype, copy=True)) for name, tensor in weights)
+        [missing] = self.llm.collective_rpc(reload_weights, kwargs=dict(weights=weights))
+        if missing:
+            raise RuntimeError(f"the rollout engine received no weights for {missing}: it would generate with stale ones")
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+
+    def load_adapter(self, tensors: dict[str, torch.Tensor], peft_config) -> None:
+        """Serve this adapter from now on: written as a PEFT folder, loaded under a new id, the old one dropped."""
+        from vllm.lora.request import LoRARequest
+
+        version = 1 if self.lora_request is None else self.lora_request.lora_int_id + 1
+        path = os.path.join(self.adapter_dir, str(version))
+        write_adapter(path, tensors, peft_config)
+        request = LoRARequest(lora_name=f"policy_v{version}", lora_int_id=version, lora_path=path)
+        self.llm.llm_engine.add_lora(request)
+        if self.lora_request is not None:
+            self.llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
+            shutil.rmtree(self.lora_request.lora_path, ignore_errors=True)
+        self.lora_request = request
+        self.llm.reset_prefix_cache()
+
+    def prompt_log_probs(self, tokens: list[int]) -> torch.Tensor:
+        """log p(token | the tokens before it) for every token of `tokens` but the first, at temperature 1 (vLLM
+        scores a prompt before any temperature), from the weights the engine holds now."""
+        from vllm import SamplingParams
+
+        self.llm.reset_prefix_cache()  # cached prefixes may have been computed with older weights
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+        [output] = self.llm.generate([{"prompt_token_ids": tokens}], params, lora_request=self.lora_request, use_tqdm=False)
+        return torch.tensor([position[token].logprob for token, position in zip(tokens[1:], output.prompt_logprobs[1:])])
+
+    def _generate(self, prompts: list[list[int]], max_tokens: int, **sampling):
+        """One response per prompt: (token ids, log-prob of each under the sampling distribution); a response that
+        completes a stop string ends with the token that completed it."""
+        params = self._sampling_params(max_tokens, **sampling)
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": prompt} for prompt in prompts], params, lora_request=self.lora_request, use_tqdm=False
+        )
+        responses = [self._response(output) for output in outputs]
+        return [tokens for tokens, _ in responses], [log_probs for _, log_probs in responses]
+
+    def _sampling_params(self, max_tokens: int, do_sample, temperature, top_p, top_k, stop_strings):
+        from vllm import SamplingParams
+
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k) if do_sample else dict(temperature=0.0)
+        return SamplingParams(
+            n=1,
+            max_tokens=max_tokens,
+            stop_token_ids=self.eos_token_ids,
+            stop=stop_strings or None,
+            detokenize=bool(stop_strings),  # vLLM matches stop strings in its own decoded text
+            logprobs=0,
+            **sampling,
+        )
+
+    def _response(self, output) -> tuple[list[int], list[float]]:
+        """A finished request's tokens and the log-prob of each; its prompt tokens that missed the prefix cache are
+        counted as prefilled."""
+        self.prefilled_tokens += len(output.prompt_token_ids) - (output.num_cached_tokens or 0)
+        tokens = list(output.outputs[0].token_ids)
+        return tokens, [position[token].logprob for token, position in zip(tokens, output.outputs[0].logprobs)]
+
+
+def move_policy(policy, optimizer, device) -> None:
+    """The policy's shards and optimiser state to `device`, freeing the GPU for the engine's KV cache."""
+    policy.to(device)  # FSDP2 reshards before it moves
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and key != "step":
+                state[key] = value.to(device)
+    if str(device) == "cpu":
+        torch.cuda.empty_cache()
