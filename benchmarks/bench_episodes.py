@@ -108,13 +108,33 @@ def wait_until_loaded(pool) -> None:
         pool.collect()
 
 
+class WorkRecorder:
+    """The policy's worker group as a loop sees it, keeping what its engine's `engine_work` returns to whoever asks
+    (today's loop reads it at its end for its own idle share), so that a rollout's whole engine work is counted."""
+
+    def __init__(self, group):
+        self.group, self.work = group, []
+
+    def broadcast(self, method: str, *args, **kwargs) -> list:
+        results = self.group.broadcast(method, *args, **kwargs)
+        if method == "engine_work":
+            self.work.append(results[0])  # rank 0's
+        return results
+
+    def __getattr__(self, name):
+        return getattr(self.group, name)
+
+
 def rollout(policy, play, batch) -> dict:
-    """One rollout of `batch`'s episodes by `play`: its seconds, the engine's (rank 0's) work, and what it played."""
+    """One rollout of `batch`'s episodes by `play(policy, batch)`: its seconds, the engine's (rank 0's) work, and what
+    it played."""
     policy.broadcast("engine_work")  # its counts start from zero
+    recorder = WorkRecorder(policy)
     started = time.perf_counter()
-    out = play(batch)
+    out = play(recorder, batch)
     seconds = time.perf_counter() - started
-    work = policy.broadcast("engine_work")[0]
+    recorder.broadcast("engine_work")
+    work = {key: sum(w[key] for w in recorder.work) for key in ("seconds", "prefilled_tokens")}
     prompts = {tuple(p[m.bool()].tolist()) for p, m in zip(batch["prompts"], batch["prompt_mask"])}
     episode_tokens = out["attention_mask"][:, batch["prompts"].shape[1] :].sum()  # the model's and the environment's
     turns = sum(out["turns"])
@@ -129,6 +149,9 @@ def rollout(policy, play, batch) -> dict:
         turns=turns,
         tool_calls=sum(out["tool_calls"]),
         model_tokens=int(out["response_mask"].sum()),
+        # what today's loop reports of itself (None turn by turn), beside the figures above
+        loop_idle_share=out["engine_idle_share"][0] if "engine_idle_share" in out else None,
+        loop_computed_again=sum(out["computed_again"]) if "computed_again" in out else None,
     )
 
 
@@ -188,7 +211,7 @@ def measure(engine: str, args, model_path: str, train_file: str, turn_by_turn, w
             try:
                 wait_until_loaded(pool)
                 for name, (loop, calls) in loops.items():
-                    play = lambda batch: loop(policy, batch, calls(pool), envs, *tokens)  # noqa: B023, E731
+                    play = lambda group, batch: loop(group, batch, calls(pool), envs, *tokens)  # noqa: B023, E731
                     started = time.perf_counter()
                     rollout(policy, play, batches[0])  # warm-up
                     rollouts = [rollout(policy, play, batch) for batch in batches[1:]]
