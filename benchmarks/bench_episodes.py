@@ -17,13 +17,14 @@ worker in bf16, once per engine (hf, then vllm), and serves every setting:
 
 Each setting plays one warm-up rollout, then --rollouts rollouts, the same prompts for every setting (rollout k draws
 the run's k-th batch). Per setting, the means over those rollouts of: seconds per rollout; the engine's idle share,
-1 - the seconds its engine generated (`engine_work()` of the worker) / the rollout's wall time; the tokens prefilled
-again per model turn: the context tokens the engine computed (`engine_work()`'s prefilled tokens: not taken from a
-cache) less the tokens no engine had seen before (each distinct prompt's once, each environment answer's, and per
-turn after the first the last token sampled before it, which the engine never ran), divided by the model turns; model
-turns and tool calls per episode. A rollout's seconds vary with its samples (turn by turn, each turn's generate lasts as
-long as its longest response), so the table gives the fastest and the slowest beside the mean. Printed and written
-(--out, a markdown table and its JSON beside it, which keeps every rollout's figures).
+1 - the seconds its engine generated (the worker's `engine_work()`, every read of it during the rollout summed: today's
+loop reads it too) / the rollout's wall time; the tokens prefilled again per model turn: the context tokens the engine
+computed (`engine_work()`'s prefilled tokens: not taken from a cache) less the tokens no engine had seen before (each
+distinct prompt's once, each environment answer's, and per turn after the first the last token sampled before it,
+which the engine never ran), divided by the model turns; model turns and tool calls per episode. A rollout's seconds
+vary with its samples (turn by turn, each turn's generate lasts as long as its longest response), so the table gives
+the fastest and the slowest beside the mean. Printed and written (--out, a markdown table and its JSON beside it, which
+keeps every rollout's figures).
 
     python benchmarks/bench_episodes.py                               # hf and vllm, 4 rollouts per setting
     python benchmarks/bench_episodes.py --engines hf --rollouts 1 --prompts 2
@@ -50,7 +51,6 @@ from demo_table import machine  # noqa: E402
 POLICY_CACHE = "episodes-policy-v1"  # the warm start's export, under the demo's cache
 TURN_BY_TURN = "f3c0107"  # the last commit whose run_episodes played a batch turn by turn
 TOOLS = {"instant": "multiply", "0-2 s": f"{ROOT / 'benchmarks' / 'episode_tools.py'}:multiply"}
-LOOPS = ("turn by turn", "per episode")
 SAMPLING = dict(do_sample=True, top_p=1.0, top_k=0)
 
 
