@@ -46,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
-from demo_table import machine  # noqa: E402
+from demo_table import machine, write_table  # noqa: E402
 
 POLICY_CACHE = "episodes-policy-v1"  # the warm start's export, under the demo's cache
 TURN_BY_TURN = "f3c0107"  # the last commit whose run_episodes played a batch turn by turn
@@ -280,9 +280,5 @@ if __name__ == "__main__":
             f"| {r['engine']} | {r['tool']} | {r['loop']} | {r['seconds']:.1f} ({low:.1f}-{high:.1f}) | {r['idle_share']:.0%} "
             f"| {r['prefilled_again_per_turn']:.0f} | {r['turns_per_episode']:.2f} | {r['tool_calls_per_episode']:.2f} |"
         )
-    table = "\n".join(lines)
-    print("\n" + table)
-    Path(args.out).write_text(table + "\n")
     summary_json = dict(cpu=cpu, commit=commit, date=date, command=command, settings=vars(args), results=results)
-    Path(args.out).with_suffix(".json").write_text(json.dumps(summary_json, indent=1) + "\n")
-    print(f"written: {args.out} and {Path(args.out).with_suffix('.json')}")
+    write_table(lines, args.out, summary_json)

@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from demo_table import machine  # noqa: E402
+from demo_table import machine, write_table  # noqa: E402
 
 # GRPO's settings, which benchmarks/bench_trl_tools.py gives TRL's GRPOTrainer too.
 GRPO = dict(
@@ -157,11 +157,8 @@ if __name__ == "__main__":
             f"| {result['seed']} | {base_text} | {result['warm_start']:.1%} | {result['grpo']:.1%} "
             f"| {result['sft_seconds']:.0f} s | {result['grpo_seconds']:.0f} s | {result['grpo_step_seconds']:.1f} |"
         )
-    table = "\n".join(lines)
-    print("\n" + table)
-    Path(args.out).write_text(table + "\n")
     without = dict(base_without_the_tool=alone, base_without_the_tool_seconds=alone_seconds)
     settings = vars(args) | {"grpo": GRPO}
     summary = dict(cpu=cpu, settings=settings, base=base, base_seconds=base_seconds, **without, seeds=results)
-    Path(args.out).with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(f"written: {args.out} and {Path(args.out).with_suffix('.json')}; runs in {work}")
+    write_table(lines, args.out, summary)
+    print(f"the runs: {work}")

@@ -42,6 +42,15 @@ def machine() -> str:
     return f"{name}, {os.cpu_count()} cores, native bf16: {'yes' if bf16 else 'no'}, torch {torch.__version__}"
 
 
+def write_table(lines: list[str], out: str, summary: dict) -> None:
+    """Print a benchmark's markdown table (`lines`) and write it to `out`, and `summary` as JSON beside it."""
+    table = "\n".join(lines)
+    print("\n" + table)
+    Path(out).write_text(table + "\n")
+    Path(out).with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"written: {out} and {Path(out).with_suffix('.json')}")
+
+
 def run_demo(algo: str, seed: int, extra_flags: list[str], env: dict) -> dict:
     folder = Path(tempfile.mkdtemp(prefix=f"{algo}_{seed}_"))
     command = [sys.executable, str(ROOT / "algos" / f"{algo}_hybrid.py"), "--seed", str(seed), *extra_flags]
