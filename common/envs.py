@@ -68,6 +68,7 @@ from common.tools import ToolResultFraming, call_tool, check_tool_template, load
 ENDINGS = ("by_env", "answered", "max_turns", "token_limit", "error", "timeout")
 ROW_FIELDS = ("data_source", "ground_truth", "extra_info")  # what reset gets of a data row
 NOT_TOOLS = ("reset", "step", "get_reward", "turn_reward")  # public methods of an environment that are not tools
+GATHER_SECONDS = 0.05  # how long an idle engine waits for the answers of its other episodes' calls (EpisodePlay._due)
 
 
 class Calculator:
@@ -314,6 +315,8 @@ class Episode:
     tool_errors: int = 0  # calls answered with an error message: malformed, unknown tool, wrong arguments
     seconds: float = 0.0  # from the start of run_episodes until the episode ended
     versions: list = field(default_factory=list)  # per model turn, the weight version the engine generated it from
+    key: str = ""  # its play's name and its place in the batch: what its turns' requests are known by
+    rank: int = 0  # the rank whose engine generates its turns
     fresh: int = 0  # the tokens of the environment's last answer, which no engine has seen
     computed_again: int = 0  # tokens of its context the engine computed again at later turns (no cache kept them)
 
@@ -338,49 +341,64 @@ class EpisodePlay:
 
     def play(self, episodes: list[Episode]) -> None:
         ranks = self.policy.world_size
-        keys = {f"{self.name}/{i}": episode for i, episode in enumerate(episodes)}
-        rank_of = {key: i * ranks // len(episodes) for i, key in enumerate(keys)}  # a group's samples on one rank
-        waiting = {rank: [key for key in keys if rank_of[key] == rank] for rank in range(ranks)}  # ready for a turn
-        under_way, calls = dict.fromkeys(range(ranks), 0), {}
-        key_of = {id(episode): key for key, episode in keys.items()}
+        for i, episode in enumerate(episodes):
+            episode.key, episode.rank = f"{self.name}/{i}", i * ranks // len(episodes)  # a group's samples on one rank
+        self.episodes = {episode.key: episode for episode in episodes}
+        self.waiting = {rank: [e for e in episodes if e.rank == rank] for rank in range(ranks)}  # ready for a turn
+        self.under_way, self.ready_since = dict.fromkeys(range(ranks), 0), dict.fromkeys(range(ranks), self.start)
+        calls = {}  # by rank, its turns call under way
         self.policy.broadcast("open_turns")
         try:
-            while any(waiting.values()) or any(under_way.values()) or self.stepping:
+            while any(self.waiting.values()) or any(self.under_way.values()) or self.stepping:
                 for rank in range(ranks):
-                    if rank not in calls and (waiting[rank] or under_way[rank]):
-                        requests = [(key, keys[key].prompt + keys[key].tokens, self._room(keys[key])) for key in waiting[rank]]
+                    if rank not in calls and self._due(rank):
+                        requests = [(e.key, e.prompt + e.tokens, self._room(e)) for e in self.waiting[rank]]
                         calls[rank] = self.policy.submit_rank(rank, "turns", self.name, requests, **self.sampling)
-                        under_way[rank], waiting[rank] = under_way[rank] + len(requests), []
+                        self.under_way[rank], self.waiting[rank] = self.under_way[rank] + len(requests), []
                 # with no environment call to wait for, wait for an engine; else take the engines that answered
                 answered = [next(iter(calls))] if calls and not self.stepping else [r for r, c in calls.items() if c.done()]
                 for rank in answered:
                     for key, tokens, log_probs, version, computed in calls.pop(rank).result():
-                        under_way[rank] -= 1
-                        episode = keys[key]
-                        episode.versions.append(version)
-                        if episode.turns:  # the context's tokens computed again: all but the answer and the last sampled
-                            episode.computed_again += max(0, computed - episode.fresh - 1)
-                        self._take_turn(episode, tokens, log_probs)
-                # the calls just made are sent at once; while the engines generate, answers are gathered every 10 ms;
-                # else the first to come is taken as it comes
-                timeout = 0.001 if answered else 0.01 if calls else None
+                        self.under_way[rank] -= 1
+                        self._take_turn(self.episodes[key], tokens, log_probs, version, computed)
+                # the calls just made are sent at once; while engines generate or turns wait, answers are gathered every
+                # 10 ms; else the first to come is taken as it comes
+                timeout = 0.001 if answered else 0.01 if calls or any(self.waiting.values()) else None
                 for ticket, outcome in self.env_calls.collect(timeout=timeout).items():
                     episode, action = self.stepping.pop(ticket)
                     if self._answer(episode, action, outcome):
-                        waiting[rank_of[key_of[id(episode)]]].append(key_of[id(episode)])
+                        if not self.waiting[episode.rank]:
+                            self.ready_since[episode.rank] = time.perf_counter()
+                        self.waiting[episode.rank].append(episode)
         finally:
             self.policy.broadcast("close_turns", self.name)
         engine_seconds = sum(work["seconds"] for work in self.policy.broadcast("engine_work"))
         self.engine_idle_share = max(0.0, 1 - engine_seconds / (ranks * (time.perf_counter() - self.start)))
         report_failures(self.failures)
 
+    def _due(self, rank: int) -> bool:
+        """Whether `rank`'s engine takes its waiting turns now: at once when it is generating others (they join them);
+        when it stands idle, once no environment call of its episodes is under way or GATHER_SECONDS after the first
+        turn came, so that answers that come together start together (an hf generate takes only the turns it began
+        with)."""
+        if self.under_way[rank]:  # a call keeps it generating, and the waiting turns join
+            return True
+        if not self.waiting[rank]:
+            return False
+        calling = any(episode.rank == rank and action[0] != "reward" for episode, action in self.stepping.values())
+        return not calling or time.perf_counter() - self.ready_since[rank] >= GATHER_SECONDS
+
     def _room(self, episode: Episode) -> int:
         """The most tokens the episode's next turn may take."""
         return self.max_response_length - len(episode.tokens)
 
-    def _take_turn(self, episode: Episode, tokens: list[int], log_probs: list[float]) -> None:
-        """Add the model's turn to `episode`, then end it or call its environment."""
+    def _take_turn(self, episode: Episode, tokens: list[int], log_probs: list[float], version, computed: int) -> None:
+        """Add the model's turn to `episode` (generated from weights `version`, its engine computing `computed` tokens of
+        its context), then end it or call its environment."""
         environments, tokenizer = self.environments, self.tokenizer
+        episode.versions.append(version)
+        if episode.turns:  # the context's tokens computed again: all but the answer and the last token sampled before it
+            episode.computed_again += max(0, computed - episode.fresh - 1)
         room = self._room(episode)
         end = stop_end(tokens, environments.stop_strings, tokenizer)
         if end is None and tokens and tokens[-1] in self.eos_token_ids:

@@ -155,6 +155,8 @@ def test_the_models_tokens_score_alike_in_one_pass_and_turn_by_turn(policy, prom
     # the engine's log-probs of its own samples are the trainer's, on the model's tokens and nowhere else
     assert (batch["old_log_probs"] - batch["rollout_log_probs"])[own].abs().max() < 1e-4
     assert batch["rollout_log_probs"][~own].abs().sum() == 0
+    # each turn computed only what followed its episode's kept keys and values: the answer and the last token sampled
+    assert sum(batch["computed_again"]) == 0 and sum(batch["turns"]) > len(batch)
     for i in range(len(batch)):
         text = tokenizer.decode(batch["responses"][i][real[i]])
         spans = turns_of(batch["response_mask"][i])
