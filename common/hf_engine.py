@@ -3,11 +3,14 @@ apart on a whole model loaded from the checkpoint (registered in common/engines.
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 import torch
 
 from common.rollout import stop_end
+
+HELD_SHARE = 0.25  # of the device's free memory at a play's start, the most episodes' kept keys and values may take
 
 
 class HFRollout:
@@ -16,11 +19,13 @@ class HFRollout:
     Episodes' turns come as requests (add_request, between open_requests and close_requests): each `finished_requests`
     gathers the requests added since the last into one generate, and an episode's keys and values are kept from one of
     its turns to the next, so a turn computes only what came after the last (the environment's answer) where the model's
-    cache is transformers' plain one (every layer a DynamicLayer); else each turn runs its whole context again."""
+    cache is transformers' plain one (every layer a DynamicLayer) and the kept ones fit in HELD_SHARE of the device's
+    free memory; else a turn runs its whole context again."""
 
     def __init__(self, policy, tokenizer, eos_token_ids: list[int], pad_token_id: int):
         self.policy, self.tokenizer, self.eos_token_ids, self.pad_token_id = policy, tokenizer, eos_token_ids, pad_token_id
         self.prefilled_tokens, self.requests, self.held, self.gathered = 0, [], {}, None
+        self.held_budget = 0  # bytes the kept keys and values may take (open_requests)
 
     def generate(self, prompts, prompt_mask, max_response_length, do_sample, temperature, top_p, top_k, stop_strings=None):
         """[batch, steps] response tokens and their log-probs under the distribution they were sampled from."""
@@ -70,6 +75,7 @@ class HFRollout:
         """Take requests from now on: the policy's shards gathered until close_requests."""
         self.gathered = unsharded(self.policy)
         self.gathered.__enter__()
+        self.held_budget = int(HELD_SHARE * free_memory_bytes(self.policy.device))
 
     def add_request(self, key: str, tokens: list[int], max_tokens: int, **sampling) -> None:
         """Generate a response to `tokens` at the next finished_requests; `key`: the episode's, whose earlier turns'
@@ -97,13 +103,17 @@ class HFRollout:
         max_tokens = max(r[2] for r in requests)
         responses, log_probs, cache = self._generate(input_ids, mask, cache, prefilled, max_tokens, alone=True, **sampling)
         lengths = response_lengths(responses, self.eos_token_ids, sampling["stop_strings"], self.tokenizer)
-        finished = []
+        for key, *_ in requests:  # what they started from is used up
+            self.held.pop(key, None)
+        finished, kept = [], held_bytes(self.held)
         for i, ((key, tokens, _, _), length) in enumerate(zip(requests, lengths)):
             response = responses[i, :length].tolist()
             if keeps_plain_cache(cache):  # the context's and the response's but the last token's, which no forward read
                 taken = torch.cat([columns[i], torch.arange(input_ids.shape[1], input_ids.shape[1] + length - 1)])
                 layers = [(layer.keys[i][:, taken], layer.values[i][:, taken]) for layer in cache.layers]
-                self.held[key] = (tokens + response[:-1], layers)
+                if kept + held_bytes({key: (None, layers)}) <= self.held_budget:
+                    self.held[key] = (tokens + response[:-1], layers)
+                    kept += held_bytes({key: (None, layers)})
             finished.append((key, response, log_probs[i, :length].tolist(), len(tokens) - reuse[i]))
         return finished
 
@@ -207,6 +217,18 @@ def prefilled_tokens(prompts, prompt_mask, shared: bool) -> int:
         return int(prompt_mask.sum())
     distinct = torch.unique(torch.cat([prompts, prompt_mask.to(prompts.dtype)], -1), dim=0)  # [distinct, 2 * prompt_len]
     return int(distinct[:, prompts.shape[1] : -1].sum()) + int(prompt_mask[:, -1].sum())
+
+
+def held_bytes(held: dict) -> int:
+    """The memory of kept keys and values (HFRollout.held)."""
+    return sum(k.nbytes + v.nbytes for _, layers in held.values() for k, v in layers)
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """The memory the device has free: the GPU's, or the machine's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def held_prefix(held, tokens: list[int]) -> int:

@@ -89,3 +89,10 @@ def test_an_episodes_next_turn_starts_from_its_kept_keys_and_values_and_generate
         torch.testing.assert_close(torch.tensor(second[key][1]), torch.tensor(whole[key][1]), atol=1e-5, rtol=0)
     engine.close_requests("play/", last=True)
     assert engine.held == {}
+
+    tight = HFRollout(model, tokenizer, eos, pad)  # no memory to keep anything in: each turn computes its whole context
+    tight.open_requests()
+    tight.held_budget = 0
+    turns(tight, {f"play/{i}": prompt for i, prompt in enumerate(prompts)})
+    assert tight.held == {}
+    assert [turn[2] for turn in turns(tight, second_contexts).values()] == [len(c) for c in second_contexts.values()]
