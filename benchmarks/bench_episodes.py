@@ -17,8 +17,8 @@ worker in bf16, once per engine (hf, then vllm), and serves every setting:
 
 Each setting plays one warm-up rollout, then --rollouts rollouts, the same prompts for every setting (rollout k draws
 the run's k-th batch). Per setting, the means over those rollouts of: seconds per rollout; the engine's idle share,
-1 - the seconds its engine generated (the worker's `engine_work()`, every read of it during the rollout summed: today's
-loop reads it too) / the rollout's wall time; the tokens prefilled again per model turn: the context tokens the engine
+1 - the seconds its engine generated (the worker's `engine_work()` after the rollout less before it) / the rollout's
+wall time; the tokens prefilled again per model turn: the context tokens the engine
 computed (`engine_work()`'s prefilled tokens: not taken from a cache) less the tokens no engine had seen before (each
 distinct prompt's once, each environment answer's, and per turn after the first the last token sampled before it,
 which the engine never ran), divided by the model turns; model turns and tool calls per episode. A rollout's seconds
@@ -108,33 +108,15 @@ def wait_until_loaded(pool) -> None:
         pool.collect()
 
 
-class WorkRecorder:
-    """The policy's worker group as a loop sees it, keeping what its engine's `engine_work` returns to whoever asks
-    (today's loop reads it at its end for its own idle share), so that a rollout's whole engine work is counted."""
-
-    def __init__(self, group):
-        self.group, self.work = group, []
-
-    def broadcast(self, method: str, *args, **kwargs) -> list:
-        results = self.group.broadcast(method, *args, **kwargs)
-        if method == "engine_work":
-            self.work.append(results[0])  # rank 0's
-        return results
-
-    def __getattr__(self, name):
-        return getattr(self.group, name)
-
-
 def rollout(policy, play, batch) -> dict:
     """One rollout of `batch`'s episodes by `play(policy, batch)`: its seconds, the engine's (rank 0's) work, and what
     it played."""
-    policy.broadcast("engine_work")  # its counts start from zero
-    recorder = WorkRecorder(policy)
+    [before] = policy.broadcast("engine_work")
     started = time.perf_counter()
-    out = play(recorder, batch)
+    out = play(policy, batch)
     seconds = time.perf_counter() - started
-    recorder.broadcast("engine_work")
-    work = {key: sum(w[key] for w in recorder.work) for key in ("seconds", "prefilled_tokens")}
+    [after] = policy.broadcast("engine_work")
+    work = {key: after[key] - before[key] for key in ("seconds", "prefilled_tokens")}
     prompts = {tuple(p[m.bool()].tolist()) for p, m in zip(batch["prompts"], batch["prompt_mask"])}
     episode_tokens = out["attention_mask"][:, batch["prompts"].shape[1] :].sum()  # the model's and the environment's
     turns = sum(out["turns"])

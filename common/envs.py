@@ -347,7 +347,7 @@ class EpisodePlay:
         self.waiting = {rank: [e for e in episodes if e.rank == rank] for rank in range(ranks)}  # ready for a turn
         self.under_way, self.ready_since = dict.fromkeys(range(ranks), 0), dict.fromkeys(range(ranks), self.start)
         calls = {}  # by rank, its turns call under way
-        self.policy.broadcast("open_turns")
+        work_before = self.policy.broadcast("open_turns")
         try:
             while any(self.waiting.values()) or any(self.under_way.values()) or self.stepping:
                 for rank in range(ranks):
@@ -372,7 +372,8 @@ class EpisodePlay:
                         self.waiting[episode.rank].append(episode)
         finally:
             self.policy.broadcast("close_turns", self.name)
-        engine_seconds = sum(work["seconds"] for work in self.policy.broadcast("engine_work"))
+        work_after = self.policy.broadcast("engine_work")
+        engine_seconds = sum(after["seconds"] - before["seconds"] for before, after in zip(work_before, work_after))
         self.engine_idle_share = max(0.0, 1 - engine_seconds / (ranks * (time.perf_counter() - self.start)))
         report_failures(self.failures)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -108,7 +109,7 @@ class EngineWorker(Worker):
     version = None
     """the weights' version the engine generates from, where the worker keeps one (a rollout worker)"""
     engine_seconds = 0.0
-    """seconds the engine spent generating since engine_work last read them"""
+    """seconds the engine spent generating so far"""
     plays = 0
     """the episodes' plays under way on this engine (each between its open_turns and close_turns)"""
 
@@ -133,17 +134,25 @@ class EngineWorker(Worker):
         rollout.response_batch for what returns."""
         prompts, prompt_mask = data["prompts"].to(self.device), data["prompt_mask"].to(self.device)
         sampling = dict(do_sample=do_sample, temperature=self.temperature, top_p=top_p, top_k=top_k, stop_strings=stop_strings)
-        start = time.perf_counter()
-        responses, log_probs = self.rollout.generate(prompts, prompt_mask, max_response_length, **sampling)
-        self.engine_seconds += time.perf_counter() - start
+        with self.generating():
+            responses, log_probs = self.rollout.generate(prompts, prompt_mask, max_response_length, **sampling)
         return response_batch(
             prompts, prompt_mask, responses, log_probs, max_response_length, self.eos_token_ids, self.pad_token_id
         )
 
-    def open_turns(self) -> None:
+    @contextmanager
+    def generating(self):
+        """The engine at work: its seconds counted in engine_seconds."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.engine_seconds += time.perf_counter() - start
+
+    def open_turns(self) -> dict:
         """Take episodes' turns one by one (`turns`) until close_turns, from the policy as it is now. Plays may overlap
         (validation's episodes beside training's on engines apart): the engine opens for the first, closes after the
-        last."""
+        last. Returns the engine's work so far (engine_work)."""
         if not callable(getattr(self.rollout, "add_request", None)):
             raise TypeError(
                 f"the rollout engine {type(self.rollout).__name__} takes no requests one by one (open_requests, "
@@ -154,6 +163,7 @@ class EngineWorker(Worker):
             self.rollout.open_requests()
             self.under_way, self.ended = {}, []
         self.plays += 1
+        return self.engine_work()
 
     @torch.no_grad()
     def turns(
@@ -165,16 +175,16 @@ class EngineWorker(Worker):
         the engine's next steps if none had: each one's key, tokens (to its EOS or stop string), their log-probs, the
         weights' version they were generated from and the tokens of its context the engine computed (its cache had not
         kept them)."""
-        start, prefix = time.perf_counter(), f"{play}/"
+        prefix = f"{play}/"
         sampling = dict(do_sample=do_sample, temperature=self.temperature, top_p=top_p, top_k=top_k, stop_strings=stop_strings)
-        for key, tokens, max_tokens in requests:
-            self.rollout.add_request(key, tokens, max_tokens, **sampling)
-            self.under_way[key] = self.version
-        if any(key.startswith(prefix) for key in self.under_way) and not any(t[0].startswith(prefix) for t in self.ended):
-            self._step()
+        with self.generating():
+            for key, tokens, max_tokens in requests:
+                self.rollout.add_request(key, tokens, max_tokens, **sampling)
+                self.under_way[key] = self.version
+            if any(key.startswith(prefix) for key in self.under_way) and not any(t[0].startswith(prefix) for t in self.ended):
+                self._step()
         ended = [turn for turn in self.ended if turn[0].startswith(prefix)]
         self.ended = [turn for turn in self.ended if not turn[0].startswith(prefix)]
-        self.engine_seconds += time.perf_counter() - start
         return ended
 
     def _step(self) -> None:
@@ -185,10 +195,9 @@ class EngineWorker(Worker):
     def finish_turns(self) -> None:
         """End every turn under way (kept for the `turns` call that asks for them): before the weights change, so that
         a turn is generated from one version."""
-        start = time.perf_counter()
-        while self.plays and self.under_way:
-            self._step()
-        self.engine_seconds += time.perf_counter() - start
+        with self.generating():
+            while self.plays and self.under_way:
+                self._step()
 
     def close_turns(self, play: str) -> None:
         """The end of a play (open_turns): the engine forgets its episodes, and after the last play it rests."""
@@ -197,8 +206,5 @@ class EngineWorker(Worker):
 
     def engine_work(self) -> dict:
         """The seconds the engine spent generating and the context tokens it computed (prefilled: not taken from a
-        cache) since the last call."""
-        prefilled = getattr(self.rollout, "prefilled_tokens", 0)
-        work = dict(seconds=self.engine_seconds, prefilled_tokens=prefilled - getattr(self, "prefilled_read", 0))
-        self.engine_seconds, self.prefilled_read = 0.0, prefilled
-        return work
+        cache), so far: a stretch's work is the difference of two reads."""
+        return dict(seconds=self.engine_seconds, prefilled_tokens=getattr(self.rollout, "prefilled_tokens", 0))
