@@ -31,8 +31,7 @@ class HFRollout:
         """[batch, steps] response tokens and their log-probs under the distribution they were sampled from."""
         sampling = dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k, stop_strings=stop_strings)
         with unsharded(self.policy):
-            cache = shared_prompt_cache(self.policy, prompts, prompt_mask)
-            prefilled = prefilled_tokens(prompts, prompt_mask, shared=cache is not None)
+            cache, prefilled = shared_prompt_cache(self.policy, prompts, prompt_mask)
             return self._generate(prompts, prompt_mask, cache, prefilled, max_response_length, **sampling)[:2]
 
     def _generate(self, input_ids, attention_mask, cache, prefilled: int, max_new_tokens: int, alone=False, **sampling):
@@ -111,9 +110,10 @@ class HFRollout:
             if keeps_plain_cache(cache):  # the context's and the response's but the last token's, which no forward read
                 taken = torch.cat([columns[i], torch.arange(input_ids.shape[1], input_ids.shape[1] + length - 1)])
                 layers = [(layer.keys[i][:, taken], layer.values[i][:, taken]) for layer in cache.layers]
-                if kept + held_bytes({key: (None, layers)}) <= self.held_budget:
+                size = sum(k.nbytes + v.nbytes for k, v in layers)
+                if kept + size <= self.held_budget:
                     self.held[key] = (tokens + response[:-1], layers)
-                    kept += held_bytes({key: (None, layers)})
+                    kept += size
             finished.append((key, response, log_probs[i, :length].tolist(), len(tokens) - reuse[i]))
         return finished
 
@@ -137,8 +137,7 @@ class HFRollout:
             mask[i, width - new :] = 1
             columns.append(mask[i].nonzero().squeeze(-1).cpu())
         if width_held == 0:  # first turns: a group's samples share their prompt's keys and values
-            cache = shared_prompt_cache(self.policy, input_ids, mask)
-            return input_ids, mask, cache, prefilled_tokens(input_ids, mask, shared=cache is not None), columns
+            return input_ids, mask, *shared_prompt_cache(self.policy, input_ids, mask), columns
         return input_ids, mask, self._held_cache(requests, reuse, width_held), int(mask[:, width_held:].sum()), columns
 
     def _held_cache(self, requests: list, reuse: list[int], width: int):
@@ -184,17 +183,18 @@ class HFRollout:
 
 def shared_prompt_cache(model, prompts, prompt_mask):
     """The keys and values of every prompt token but the last, computed once per distinct prompt and copied to each row
-    that holds it (a group's n samples), or None when no two rows share a prompt. `generate` then runs only the last
-    prompt token and the response: the prompt's forward, a large part of a short response's cost, runs once, not n times.
+    that holds it (a group's n samples), or None when no two rows share a prompt; and the prompt tokens computed in
+    all, these and those `generate` runs then (every one, without the cache). `generate` then runs only the last prompt
+    token and the response: the prompt's forward, a large part of a short response's cost, runs once, not n times.
     Positions as `generate` numbers them (the mask's cumulative sum), so each row's logits are those of a full pass."""
     from transformers import DynamicCache
 
     if prompts.shape[1] < 2:
-        return None
+        return None, int(prompt_mask.sum())
     # rows equal in tokens and mask alike: a pad id can also be a real token
     distinct, row_of = torch.unique(torch.cat([prompts, prompt_mask.to(prompts.dtype)], -1), dim=0, return_inverse=True)
     if len(distinct) == len(prompts):
-        return None
+        return None, int(prompt_mask.sum())
     tokens, mask = distinct.split(prompts.shape[1], dim=-1)  # [distinct, prompt_len] each
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left-padded: the pads before a prompt at 0, as generate has them
     cache = DynamicCache(config=model.config)
@@ -207,16 +207,7 @@ def shared_prompt_cache(model, prompts, prompt_mask):
             logits_to_keep=1,
         )
     cache.batch_select_indices(row_of)
-    return cache
-
-
-def prefilled_tokens(prompts, prompt_mask, shared: bool) -> int:
-    """The prompt tokens a generate computes: every one, or with a shared prompt cache (shared_prompt_cache) each
-    distinct prompt's once and each row's last."""
-    if not shared:
-        return int(prompt_mask.sum())
-    distinct = torch.unique(torch.cat([prompts, prompt_mask.to(prompts.dtype)], -1), dim=0)  # [distinct, 2 * prompt_len]
-    return int(distinct[:, prompts.shape[1] : -1].sum()) + int(prompt_mask[:, -1].sum())
+    return cache, int(mask[:, :-1].sum()) + int(prompt_mask[:, -1].sum())
 
 
 def held_bytes(held: dict) -> int:

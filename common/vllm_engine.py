@@ -163,7 +163,7 @@ class VLLMRollout:
         self.sleep_level = 1 if self.serves_adapter or frozen else 2
         self.adapter_dir = tempfile.mkdtemp(prefix="hybridrl_adapter_")
         self.lora_request = None
-        self.prefilled_tokens, self.requests_added, self.request_keys = 0, 0, {}  # request id -> its episode's key
+        self.prefilled_tokens, self.requests_added = 0, 0
         self._sleep()
 
     def generate(self, prompts, prompt_mask, max_response_length, do_sample, temperature, top_p, top_k, stop_strings=None):
@@ -203,9 +203,8 @@ class VLLMRollout:
         self.requests_added += 1
         params = self._sampling_params(max_tokens, **sampling)
         params.output_kind = RequestOutputKind.FINAL_ONLY
-        prompt = {"prompt_token_ids": tokens}
+        prompt = {"prompt_token_ids": tokens}  # the request's id: its episode's key, then #n
         self.llm.llm_engine.add_request(f"{key}#{self.requests_added}", prompt, params, lora_request=self.lora_request)
-        self.request_keys[f"{key}#{self.requests_added}"] = key
 
     def finished_requests(self, seconds: float = 0.05) -> list[tuple[str, list[int], list[float], int]]:
         """Step the engine until a request ends (or `seconds` passed, or none is under way): those that ended, each
@@ -214,9 +213,7 @@ class VLLMRollout:
         while engine.has_unfinished_requests() and not finished:
             for output in engine.step():
                 if output.finished:
-                    tokens, log_probs = self._response(output)
-                    computed = len(output.prompt_token_ids) - (output.num_cached_tokens or 0)
-                    finished.append((self.request_keys.pop(output.request_id), tokens, log_probs, computed))
+                    finished.append((output.request_id.rpartition("#")[0], *self._response(output)))
             if time.perf_counter() - start > seconds:
                 break
         return finished
@@ -285,7 +282,7 @@ class VLLMRollout:
             [{"prompt_token_ids": prompt} for prompt in prompts], params, lora_request=self.lora_request, use_tqdm=False
         )
         responses = [self._response(output) for output in outputs]
-        return [tokens for tokens, _ in responses], [log_probs for _, log_probs in responses]
+        return [tokens for tokens, _, _ in responses], [log_probs for _, log_probs, _ in responses]
 
     def _sampling_params(self, max_tokens: int, do_sample, temperature, top_p, top_k, stop_strings):
         from vllm import SamplingParams
@@ -301,12 +298,13 @@ class VLLMRollout:
             **sampling,
         )
 
-    def _response(self, output) -> tuple[list[int], list[float]]:
-        """A finished request's tokens and the log-prob of each; its prompt tokens that missed the prefix cache are
-        counted as prefilled."""
-        self.prefilled_tokens += len(output.prompt_token_ids) - (output.num_cached_tokens or 0)
+    def _response(self, output) -> tuple[list[int], list[float], int]:
+        """A finished request's tokens, the log-prob of each, and how many of its prompt's tokens missed the prefix
+        cache, which are counted as prefilled."""
+        computed = len(output.prompt_token_ids) - (output.num_cached_tokens or 0)
+        self.prefilled_tokens += computed
         tokens = list(output.outputs[0].token_ids)
-        return tokens, [position[token].logprob for token, position in zip(tokens, output.outputs[0].logprobs)]
+        return tokens, [position[token].logprob for token, position in zip(tokens, output.outputs[0].logprobs)], computed
 
 
 def move_policy(policy, optimizer, device) -> None:

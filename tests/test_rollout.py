@@ -35,7 +35,7 @@ def test_a_prompt_shared_by_its_samples_runs_once_and_generates_the_tokens_of_a_
     assert torch.equal(responses, full[:, width:])
     # fp32 both ways; the prompt's keys and values summed over one query row or several: rounding alone differs
     torch.testing.assert_close(log_probs, recorder.log_probs(responses), atol=1e-5, rtol=0)
-    assert shared_prompt_cache(model, prompts[::4], mask[::4]) is None  # no two rows alike: nothing to share
+    assert shared_prompt_cache(model, prompts[::4], mask[::4])[0] is None  # no two rows alike: nothing to share
 
 
 def test_each_token_is_drawn_at_its_probability_and_left_the_only_one_possible():
