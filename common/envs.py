@@ -249,7 +249,7 @@ class LiveEpisode:
             self.env.close()
 
     def close_quietly(self) -> str:
-        """close(), after a failure: the traceback of its own failure, if it failed, to add to the first one's."""
+        """close(), never raising: the traceback of its failure, if it failed (after a failure: to add to its)."""
         try:
             self.close()
             return ""
