@@ -90,12 +90,21 @@ BUILTIN_ENVS = {"calculator": Calculator}
 
 
 def load_env(spec: str):
-    """A built-in environment by name, or the class `ClassName` of `path/to/file.py:ClassName`."""
+    """A built-in environment by name, a game of another library (`gym:ID`, `textarena:ID`: common/envs_gym.py), or the
+    class `ClassName` of `path/to/file.py:ClassName`."""
     if spec in BUILTIN_ENVS:
         return BUILTIN_ENVS[spec]
+    library, _, game_id = spec.partition(":")
+    if library in ("gym", "textarena") and game_id:
+        from common.envs_gym import gym_env_class
+
+        return gym_env_class(library, game_id, f"--env '{spec}'")
     path, _, name = spec.rpartition(":")
     if not path or not name:
-        raise ValueError(f"--env '{spec}': name a built-in ({', '.join(BUILTIN_ENVS)}) or write path/to/file.py:ClassName")
+        raise ValueError(
+            f"--env '{spec}': name a built-in ({', '.join(BUILTIN_ENVS)}), a game (gym:ID, textarena:ID) or write "
+            "path/to/file.py:ClassName"
+        )
     if not os.path.isfile(path):
         raise ValueError(f"--env '{spec}': no file {path}")
     env_cls = getattr(load_user_file(path), name, None)
