@@ -243,7 +243,7 @@ def test_a_trl_environment_class_runs_unchanged(tool_tokenizer, live_file, tmp_p
     REPORTED_FAILURES.clear()
     for env_calls in EnvsInProcess(environments), EnvProcesses(environments.spec, 1):
         try:
-            episodes = play(tool_tokenizer, batch, environments, script, env_calls)
+            episodes = batch | play(tool_tokenizer, batch, environments, script, env_calls)  # as a run joins them
         finally:
             env_calls.close()
         assert episodes["episode_score"].tolist() == [1.0, 1.0] and episodes["tool_errors"].tolist() == [0, 1]
