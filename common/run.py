@@ -466,12 +466,12 @@ ALIKE_STEPS = 3
 """steps in a row whose every prompt's samples scored alike before a run says that it learns nothing"""
 
 
-def say_when_groups_score_alike(batch, scores, metrics: dict, streak: int) -> int:
+def say_when_groups_score_alike(batch, scores, metrics: dict, streak: int | None) -> int | None:
     """The share of the step's prompts whose samples all got the same score (`train/alike_group_share`), which a
     group-relative advantage (GRPO's, RLOO's, DAPO's...) turns into 0 for each of them; and the steps in a row so far in
     which every prompt's did, `streak` before this one. At ALIKE_STEPS such steps the run has learnt nothing from them:
-    it says so on stderr with what to change, once (the count returned is then -1, and stays so)."""
-    if scores is None or streak < 0:
+    it says so on stderr with what to change, once (None is returned then, and stays so)."""
+    if scores is None:
         return streak
     groups = defaultdict(list)
     for uid, score in zip(batch["uid"], scores.tolist()):
@@ -481,6 +481,8 @@ def say_when_groups_score_alike(batch, scores, metrics: dict, streak: int) -> in
         return streak
     alike = sum(len(set(group)) == 1 for group in groups)
     metrics["train/alike_group_share"] = alike / len(groups)
+    if streak is None:  # said already
+        return None
     streak = streak + 1 if alike == len(groups) else 0
     if streak < ALIKE_STEPS:
         return streak
@@ -495,7 +497,7 @@ def say_when_groups_score_alike(batch, scores, metrics: dict, streak: int) -> in
         file=sys.stderr,
         flush=True,
     )
-    return -1
+    return None
 
 
 def resume_command() -> str:

@@ -81,21 +81,19 @@ class GenerationValidation:
         self.rollouts.start(policy, pool, self.loader.dataset)
 
     def __call__(self, step: int) -> tuple[dict, list[dict]]:
-        """RL's validation of the policy after `step` steps (0: before the first): its metrics and every episode, and a
-        line on the console with the accuracy and the share of episodes that called a tool."""
+        """RL's validation of the policy after `step` steps (0: before the first), greedy or --val-n samples a prompt:
+        its metrics and every episode, and a line on the console with the accuracy and the share of episodes that
+        called a tool."""
         from common.rewards import validate
 
+        n = self.args.val_n
         self.rollouts.version = step
-        metrics, samples = validate(self.rollouts.generate, self.loader, self.tokenizer, self.scorer.score_texts, 1)
+        metrics, samples = validate(self.rollouts.generate, self.loader, self.tokenizer, self.scorer.score_texts, n)
         line = f"step {step}: held-out accuracy {metrics['val/accuracy']:.1%}"
         if "val/env/tool_call_share" in metrics:
             line += f", episodes that call a tool {metrics['val/env/tool_call_share']:.1%}"
-        print(f"{line} ({len(samples)} prompts, greedy)", flush=True)
+        print(f"{line} ({len(self.loader.dataset)} prompts, {'greedy' if n == 1 else f'{n} samples each'})", flush=True)
         return metrics, samples
-
-    def groups(self) -> dict:
-        """The scorer's worker groups (a reward model's, a judge's), whose memory a step reports."""
-        return self.scorer.groups()
 
     def close(self) -> None:
         self.scorer.close()
