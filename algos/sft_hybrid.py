@@ -13,13 +13,16 @@ from common.run import RunArgs, flag
 @dataclass
 class Args(RunArgs):
     """The warm start's flags; those every script shares (model, workers, batches, LoRA, checkpoints) are in
-    common/args.py. Here a batch is --train-batch-size transcripts, and validation is the loss on --val-files."""
+    common/args.py (--tools, --env and the reward among them, for validation). Here a batch is --train-batch-size
+    transcripts, and validation is the loss on --val-files, or RL's validation on them where they hold RL prompts."""
 
     train_files: list[str] | None = None
     """chat transcripts to learn from: parquet or jsonl rows with `messages` (OpenAI's chat format, tool calls and tool
     results included) and optionally `tools` (JSON schemas); see docs/warm-start.md"""
     val_files: list[str] | None = None
-    """held-out transcripts in the same format, whose loss validation measures; without them, the training ones"""
+    """held-out transcripts in the same format, whose loss validation measures (without them, the training ones'); or
+    RL prompts, played greedily with --tools/--env and scored as the RL scripts do: the held-out accuracy RL will start
+    from, and the share of episodes that call a tool (docs/warm-start.md)"""
     lr: float = 1e-5
     """learning rate"""
     total_steps: int = flag(200, resumable=True, positive=True)
@@ -31,7 +34,7 @@ class Args(RunArgs):
     n: int = flag(1, positive=True)
     """(kept at 1: a transcript is trained on once per batch)"""
     test_freq: int = flag(20, resumable=True, positive=True)
-    """compute the validation loss every this many steps"""
+    """validate every this many steps"""
 
 
 def sft_loss(batch, outputs, minibatch_tokens, minibatch_seqs):

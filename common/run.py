@@ -22,6 +22,7 @@ import os
 import shlex
 import sys
 import time
+from collections import defaultdict
 
 from common.args import RunArgs, check_args, flag, load_tokenizer, resolve_args, worker_micro_batch_tokens
 
@@ -64,6 +65,7 @@ class Run:
         self.start_step, self.first_val, self.last_val, self.bad_steps = 1, None, None, 0
         self.resumed, self.stop, self.step_start, self.postfix, self.last_step = False, None, 0.0, {}, 0
         self.stopping = False  # a stop request seen when end_step decided whether to save
+        self.alike_steps = 0  # steps in a row whose prompts' samples all scored alike (say_when_groups_score_alike)
 
     def _load_data(self, prompts_per_batch: int | None):
         """The train and validation loaders (prompts, or a supervised run's transcripts; batches of `prompts_per_batch`,
@@ -73,17 +75,21 @@ class Run:
         from common.envs import episode_spec, load_environments
         from common.scoring import Scorer
         from common.transcripts import TranscriptLoader, load_transcripts
+        from common.warm_start import GenerationValidation
 
         args, environments = self.args, None
+        self.by_generation = None  # a supervised run's validation by generation (common/warm_start.py)
         pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         loader = TranscriptLoader if self.supervised else PromptLoader
         if self.supervised:
             self.scorer, lengths = None, (args.max_prompt_length, args.max_response_length)
             train_data = load_transcripts(args.train_files, self.tokenizer, self.eos_token_ids, *lengths)
             val_data = train_data
-            if args.val_files:
+            self.by_generation = GenerationValidation.of(args, self.tokenizer, self.eos_token_ids)  # --val-files of prompts
+            if args.val_files and self.by_generation is None:
                 val_data = load_transcripts(args.val_files, self.tokenizer, self.eos_token_ids, *lengths)
             self.val_name = "held-out loss" if args.val_files else "loss on the training transcripts (no --val-files)"
+            self.val_name = self.by_generation.name if self.by_generation else self.val_name
         else:
             self.scorer = Scorer(args, self.tokenizer)
             environments = load_environments(episode_spec(args.env, args.tools)) if args.env or args.tools else None
@@ -142,6 +148,8 @@ class Run:
         self.rollouts = None
         if self.supervised:
             self.train_batches = self.train_loader.forever()
+            if self.by_generation:
+                self.by_generation.start(self.pool, reward_workers)
         else:
             self.scorer.start(self.pool, reward_workers)
             self.rollouts = RolloutSupply(
@@ -211,6 +219,7 @@ class Run:
 
         if self.supervised:  # no engine; the log-probs of the data at temperature 1
             rollout = dict(rollout_engine=None, temperature=1.0, use_reference=False)
+            rollout |= self.by_generation.policy_settings() if self.by_generation else {}  # an engine to validate with
         else:
             rollout = self.rollouts.policy_settings()
         # the run's chat template (--chat-template), which the exported model's tokenizer keeps
@@ -218,6 +227,8 @@ class Run:
         policy = self.workers(PolicyWorker, "policy", **(rollout | settings))
         if not self.supervised:
             self.rollouts.start(policy, self.pool, self.val_loader.dataset)
+        elif self.by_generation:
+            self.by_generation.attach(policy, self.pool)
         return policy
 
     def next_transcripts(self):
@@ -236,10 +247,13 @@ class Run:
         """One score per response of `batch` (Scorer.score)."""
         return self.scorer.score(batch, metrics)
 
-    def _validate(self) -> tuple[dict, list[dict]]:
+    def _validate(self, step: int = 0) -> tuple[dict, list[dict]]:
         from common.rewards import validate
         from common.transcripts import token_mean_loss
 
+        if self.by_generation:
+            self.last_val, samples = self.by_generation(step)
+            return self.last_val, samples
         if self.supervised:
             self.last_val = {"val/loss": token_mean_loss(self.groups["policy"], self.val_loader)}
             return self.last_val, []
@@ -309,6 +323,7 @@ class Run:
             metrics["actor/entropy"] = ((batch["entropy"] * response_mask).sum() / response_mask.sum()).item()
         if scores is not None:  # None: a supervised step
             metrics["train/reward_mean"] = scores.mean().item()
+        self.alike_steps = say_when_groups_score_alike(batch, scores, metrics, self.alike_steps)
         metrics |= {
             "response/length_mean": response_lengths.mean().item(),
             "response/clip_ratio": (response_lengths == args.max_response_length).float().mean().item(),
@@ -331,7 +346,7 @@ class Run:
         last = step == args.total_steps or self.stopping
         if step % args.test_freq == 0 or step == args.total_steps:
             with timer("validate", metrics):
-                val_metrics, samples = self._validate()
+                val_metrics, samples = self._validate(step)
             metrics |= val_metrics
             self.tracker.log_samples(samples, step=step)
         self._record_peak_memory(metrics)
@@ -400,7 +415,7 @@ class Run:
         """Report, export the policy (unless stopped early), and release the workers."""
 
         def shown(val: dict) -> str:
-            return f"{val['val/loss']:.4f}" if self.supervised else f"{val['val/accuracy']:.1%}"
+            return f"{val['val/loss']:.4f}" if "val/loss" in val else f"{val['val/accuracy']:.1%}"
 
         if self.first_val is not None:
             print(f"{self.val_name}: {shown(self.first_val)} before training")
@@ -417,6 +432,8 @@ class Run:
         if not self.supervised:
             self.scorer.close()
             self.rollouts.close()
+        if self.by_generation:
+            self.by_generation.close()
         for group in self.groups.values():
             group.shutdown()
         if self.pool is not None:
@@ -443,6 +460,44 @@ def likely_cause(error) -> str:
         "generate": "--max-response-length or --train-batch-size, or pass --offload with vllm on GPUs",
     }.get(error.method, "--micro-batch-size or --log-prob-chunk-tokens")
     return f"to need less memory, lower {lower}"
+
+
+ALIKE_STEPS = 3
+"""steps in a row whose every prompt's samples scored alike before a run says that it learns nothing"""
+
+
+def say_when_groups_score_alike(batch, scores, metrics: dict, streak: int | None) -> int | None:
+    """The share of the step's prompts whose samples all got the same score (`train/alike_group_share`), which a
+    group-relative advantage (GRPO's, RLOO's, DAPO's...) turns into 0 for each of them; and the steps in a row so far in
+    which every prompt's did, `streak` before this one. At ALIKE_STEPS such steps the run has learnt nothing from them:
+    it says so on stderr with what to change, once (None is returned then, and stays so)."""
+    if scores is None:
+        return streak
+    groups = defaultdict(list)
+    for uid, score in zip(batch["uid"], scores.tolist()):
+        groups[uid].append(score)
+    groups = [group for group in groups.values() if len(group) > 1]  # a prompt sampled once has no group to compare
+    if not groups:
+        return streak
+    alike = sum(len(set(group)) == 1 for group in groups)
+    metrics["train/alike_group_share"] = alike / len(groups)
+    if streak is None:  # said already
+        return None
+    streak = streak + 1 if alike == len(groups) else 0
+    if streak < ALIKE_STEPS:
+        return streak
+    values = sorted({group[0] for group in groups})
+    print(
+        f"\nin each of the last {streak} steps every prompt's {len(groups[0])} samples scored alike (this step's scores: "
+        f"{', '.join(f'{value:g}' for value in values[:5])}), so every advantage was 0 and no update learnt anything. "
+        "The model may not yet write what the reward reads (a tool call, an answer's shape), or the prompts are too hard "
+        "or too easy for it: warm-start it longer, until its held-out accuracy and tool calls show the format took "
+        "(docs/warm-start.md); sample more per prompt (--n); or let DAPO's dynamic sampling (algos/dapo_hybrid.py) "
+        "sample again in place of the prompts whose samples agree",
+        file=sys.stderr,
+        flush=True,
+    )
+    return None
 
 
 def resume_command() -> str:
