@@ -40,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_tool_learning import run_script  # noqa: E402
@@ -57,7 +59,7 @@ SFT = dict(lora_rank=16, lora_alpha=32, lr=5e-4, batch=16)
 def grpo_flags(steps: int) -> list[str]:
     return [
         "--env", ENV, "--reward-fn", REWARD, "--max-turns", str(GRPO["max_turns"]),
-        "--total-steps", str(steps), "--test-freq", str(10 * steps), "--no-val-before-train",
+        "--total-steps", str(steps), "--test-freq", str(steps), "--no-val-before-train",
         "--train-batch-size", str(GRPO["prompts"]), "--mini-batch-size", str(GRPO["prompts"]), "--n", str(GRPO["samples"]),
         "--lora-rank", str(GRPO["lora_rank"]), "--lora-alpha", str(GRPO["lora_alpha"]), "--lr", str(GRPO["lr"]),
         "--kl-loss-coef", str(GRPO["kl"]), "--max-prompt-length", str(GRPO["prompt_tokens"]),
@@ -77,7 +79,6 @@ def sft_flags(steps: int) -> list[str]:
 
 def judge(model_path: str, val_file: str, problems: int) -> dict:
     """The held-out accuracy of `model_path` (see the module's docstring), its tool-call shares and its episodes."""
-    import pyarrow.parquet as pq
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -173,7 +174,6 @@ def judged(model_path: str, val_file: str, problems: int) -> dict:
 def trl_worker(steps: int, seed: int, model_path: str, train_file: str, out: str) -> None:
     """Runs in TRL's environment: GRPOTrainer with environment_factory=PythonInterpreter for `steps` steps, timing each;
     the merged model saved in `out`."""
-    import pyarrow.parquet as pq
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -280,6 +280,74 @@ def cell(result: dict | None) -> str:
     return f"{result['accuracy']:.1%} ({result['right']}/{result['problems']}); calls {result['tool_share']:.0%}"
 
 
+def phase_base(results: dict, files: dict, args, work: Path) -> None:
+    results["base"] = judged("smollm2", files["val"], args.val_problems)
+    print(f"base model: {cell(results['base'])}", flush=True)
+
+
+def phase_sft(result: dict, files: dict, args, work: Path) -> None:
+    folder = work / f"sft_{result['seed']}"
+    folder.mkdir()
+    data = ["--train-files", files["sft_train"], "--val-files", files["sft_val"]]
+    flags = ["--model-path", "smollm2", "--seed", str(result["seed"]), *data, *sft_flags(args.sft_steps)]
+    _, run_dir, seconds = run_script("sft_hybrid.py", flags, folder)
+    result |= dict(sft_seconds=seconds, export=str(run_dir / "model"))
+    result["warm_start"] = judged(result["export"], files["val"], args.val_problems)
+    print(f"seed {result['seed']}: warm start {cell(result['warm_start'])} ({seconds:.0f} s)", flush=True)
+
+
+def phase_grpo(result: dict, files: dict, args, work: Path) -> None:
+    folder = work / f"grpo_{result['seed']}"
+    folder.mkdir()
+    # its own validation at the last step on 8 held-out problems alone: the judge's is the one reported
+    few = work / "val_8.parquet"
+    pq.write_table(pq.read_table(files["val"]).slice(0, 8), few)
+    data = ["--train-files", files["train"], "--val-files", str(few), "--val-batch-size", "8"]
+    flags = ["--model-path", result["export"], "--seed", str(result["seed"]), *data, *grpo_flags(args.grpo_steps)]
+    rows, run_dir, seconds = run_script("grpo_hybrid.py", flags, folder)
+    steps = [row for row in rows if "timing/step" in row]
+    result |= dict(
+        grpo_seconds=seconds,
+        grpo_step_seconds=sum(row["timing/step"] for row in steps[1:]) / max(1, len(steps) - 1),  # the first left out
+        grpo_reward=[row.get("critic/score/mean") for row in steps],
+        grpo_tool_calls=[row.get("env/tool_calls") for row in steps],
+    )
+    result["grpo"] = judged(str(run_dir / "model"), files["val"], args.val_problems)
+    print(f"seed {result['seed']}: GRPO {cell(result['grpo'])} ({seconds:.0f} s)", flush=True)
+
+
+def phase_trl(result: dict, files: dict, args, work: Path) -> None:
+    trl = run_trl(args.trl_python, args.grpo_steps, result["seed"], result["export"], files["train"], work)
+    result |= dict(trl_seconds=trl["wall_seconds"], trl_step_seconds=trl["step_mean"], trl_log=trl)
+    result["trl"] = judged(trl["model"], files["val"], args.val_problems)
+    print(f"seed {result['seed']}: TRL {cell(result['trl'])} ({trl['wall_seconds']:.0f} s)", flush=True)
+
+
+def table(results: dict, args, cpu: str) -> list[str]:
+    seeds = [results[str(seed)] for seed in args.seeds if str(seed) in results]
+
+    def row(name, key, wall, per_step=None):
+        walls = ", ".join(f"{r[wall]:.0f} s" for r in seeds if wall in r)
+        steps = ", ".join(f"{r[per_step]:.1f}" for r in seeds if per_step in r)
+        return f"| {name} | {' | '.join(cell(r.get(key)) for r in seeds)} | {walls} | {steps} |"
+
+    base = results.get("base")
+    lines = [
+        f"{cpu}; the first {args.val_problems} held-out problems, greedy, every model judged alike; calls: the share of "
+        "episodes that ran the tool",
+        "",
+        "| SmolLM2-135M-Instruct | " + " | ".join(f"seed {r['seed']}" for r in seeds) + " | wall time | seconds a step |",
+        "|---|" + "---|" * len(seeds) + "---|---|",
+        f"| the base model | {' | '.join(cell(base) for _ in seeds)} | | |",
+        row(f"after a warm start of {args.sft_steps} steps (`sft_hybrid.py`)", "warm_start", "sft_seconds"),
+        row(f"then GRPO, {args.grpo_steps} steps (`grpo_hybrid.py --env`)", "grpo", "grpo_seconds", "grpo_step_seconds"),
+        row(f"then TRL's `GRPOTrainer` instead, {args.grpo_steps} steps", "trl", "trl_seconds", "trl_step_seconds"),
+    ]
+    return lines
+
+
+PHASES = dict(base=phase_base, sft=phase_sft, grpo=phase_grpo, trl=phase_trl)
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
@@ -287,9 +355,12 @@ if __name__ == "__main__":
     parser.add_argument("--grpo-steps", type=int, default=10)
     parser.add_argument("--val-problems", type=int, default=64, help="held-out problems each judgement answers")
     parser.add_argument("--trl-python", help="the Python of an environment with TRL: its GRPOTrainer runs beside ours")
-    parser.add_argument("--skip-base", action="store_true", help="leave out the base model (greedy: the same every seed)")
-    parser.add_argument("--skip-grpo", action="store_true", help="leave out hybridrl's GRPO (TRL's alone, say)")
-    parser.add_argument("--data-dir", default=None, help="the task's files (written there if missing); default a temp dir")
+    parser.add_argument(
+        "--phases", nargs="+", choices=list(PHASES), default=list(PHASES), help="what to run now (trl needs --trl-python)"
+    )
+    parser.add_argument(
+        "--work", help="the folder of the runs and their results.json; a phase already there is not run again (default: new)"
+    )
     parser.add_argument("--out", default="bench_interpreter.md", help="the table; its JSON goes beside it (.json)")
     parser.add_argument("--judge", help=argparse.SUPPRESS)
     parser.add_argument("--val-file", help=argparse.SUPPRESS)
@@ -306,76 +377,26 @@ if __name__ == "__main__":
     if args.trl_worker:
         trl_worker(args.steps, args.seed, args.model, args.data, args.save)
         sys.exit()
+    phases = [p for p in args.phases if p != "trl" or args.trl_python]
 
     sys.path.insert(0, str(ROOT / "examples" / "reasoning_gym"))
     import interpreter_task
 
     cpu = machine()
     print(cpu, flush=True)
-    work = Path(tempfile.mkdtemp(prefix="bench_interpreter_"))
-    files = interpreter_task.write(args.data_dir or str(work / "data"))
-    problems = args.val_problems
-
-    base = None
-    if not args.skip_base:
-        base = judged("smollm2", files["val"], problems)
-        print(f"base model: {cell(base)} ({base['judge_seconds']:.0f} s to judge)", flush=True)
-
-    results = []
-    for seed in args.seeds:
-        folder = work / f"sft_{seed}"
-        folder.mkdir()
-        data = ["--train-files", files["sft_train"], "--val-files", files["sft_val"]]
-        flags = ["--model-path", "smollm2", "--seed", str(seed), *data, *sft_flags(args.sft_steps)]
-        _, sft_run, sft_seconds = run_script("sft_hybrid.py", flags, folder)
-        export = str(sft_run / "model")
-        result = dict(seed=seed, sft_seconds=sft_seconds, export=export, warm_start=judged(export, files["val"], problems))
-        print(f"seed {seed}: warm start {cell(result['warm_start'])} ({sft_seconds:.0f} s)", flush=True)
-        if not args.skip_grpo:
-            folder = work / f"grpo_{seed}"
-            folder.mkdir()
-            data = ["--train-files", files["train"], "--val-files", files["val"]]
-            flags = ["--model-path", export, "--seed", str(seed), *data, *grpo_flags(args.grpo_steps)]
-            rows, grpo_run, grpo_seconds = run_script("grpo_hybrid.py", flags, folder)
-            steps = [row["timing/step"] for row in rows if "timing/step" in row]
-            result |= dict(
-                grpo=judged(str(grpo_run / "model"), files["val"], problems),
-                grpo_seconds=grpo_seconds,
-                grpo_step_seconds=sum(steps[1:]) / len(steps[1:]),  # the first step left out of the mean
-                grpo_reward=[row.get("reward/mean", row.get("critic/score/mean")) for row in rows if "timing/step" in row],
-                grpo_tool_calls=[row.get("env/tool_calls") for row in rows if "timing/step" in row],
-            )
-            print(f"seed {seed}: GRPO {cell(result['grpo'])} ({grpo_seconds:.0f} s)", flush=True)
-        if args.trl_python:
-            trl = run_trl(args.trl_python, args.grpo_steps, seed, export, files["train"], work)
-            result["trl"] = trl | dict(judged=judged(trl["model"], files["val"], problems))
-            print(f"seed {seed}: TRL {cell(result['trl']['judged'])} ({trl['wall_seconds']:.0f} s)", flush=True)
-        results.append(result)
-
-    def row(name, key, wall, per_step=None):
-        cells = [cell(r.get(key) if key != "trl" else r.get("trl", {}).get("judged")) for r in results]
-        walls = ", ".join(f"{r[wall]:.0f} s" if wall in r else "" for r in results if key in r or wall in r)
-        steps = ", ".join(f"{r[per_step]:.1f}" for r in results if per_step and per_step in r)
-        return f"| {name} | {' | '.join(cells)} | {walls} | {steps} |"
-
-    for r in results:
-        if "trl" in r:
-            r["trl_seconds"], r["trl_step_seconds"] = r["trl"]["wall_seconds"], r["trl"]["step_mean"]
-    seeds = " | ".join(f"seed {r['seed']}" for r in results)
-    lines = [
-        f"{cpu}; {problems} held-out problems, greedy, judged alike; calls: the share of episodes that ran the tool",
-        "",
-        f"| SmolLM2-135M-Instruct | {seeds} | wall time | seconds a step |",
-        "|---|" + "---|" * len(results) + "---|---|",
-        f"| the base model | {' | '.join(cell(base) for _ in results)} | | |",
-        row(f"after a warm start of {args.sft_steps} steps (`sft_hybrid.py`)", "warm_start", "sft_seconds"),
-    ]
-    if not args.skip_grpo:
-        name = f"then GRPO, {args.grpo_steps} steps (`grpo_hybrid.py --env`)"
-        lines.append(row(name, "grpo", "grpo_seconds", "grpo_step_seconds"))
-    if args.trl_python:
-        name = f"then TRL's `GRPOTrainer` instead, {args.grpo_steps} steps"
-        lines.append(row(name, "trl", "trl_seconds", "trl_step_seconds"))
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench_interpreter_"))
+    work.mkdir(parents=True, exist_ok=True)
+    saved = work / "results.json"
+    results = json.loads(saved.read_text()) if saved.exists() else {}
+    files = interpreter_task.write(str(work / "data"))
+    for phase in phases:
+        for seed in [None] if phase == "base" else args.seeds:
+            result = results if seed is None else results.setdefault(str(seed), dict(seed=seed))
+            done = "base" in results if seed is None else {"sft": "warm_start"}.get(phase, phase) in result
+            if done or (phase in ("grpo", "trl") and "export" not in result):
+                continue
+            PHASES[phase](result, files, args, work)
+            saved.write_text(json.dumps(results, indent=1) + "\n")
     settings = vars(args) | {"grpo": GRPO, "sft": SFT}
-    write_table(lines, args.out, dict(cpu=cpu, settings=settings, base=base, seeds=results))
+    write_table(table(results, args, cpu), args.out, dict(cpu=cpu, settings=settings, results=results))
     print(f"the runs: {work}")

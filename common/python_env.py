@@ -151,13 +151,16 @@ class Interpreter:
 
 
 def stop_process(process: subprocess.Popen, folder: str) -> None:
-    """Kill the launcher's session (the interpreter, first of its own process ids, takes every process it started
-    with it) and remove its folder."""
+    """Tell the launcher to end the interpreter (the first of its own process ids: every process it started ends with
+    it) and remove its folder; past a few seconds, kill them all and remove the folder here."""
     try:
+        process.terminate()
+        process.wait(timeout=KILL_GRACE_SECONDS)
+    except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
     except ProcessLookupError:
         pass
-    process.wait()
     for pipe in (process.stdin, process.stdout):
         pipe.close()
     shutil.rmtree(folder, ignore_errors=True)
@@ -173,10 +176,8 @@ def launch(folder: str, limits: dict, parent: int) -> int:
 
     libc = ctypes.CDLL(None, use_errno=True)
     root = os.geteuid() == 0
-    if hasattr(libc, "prctl"):
-        libc.prctl(sandbox.PR_SET_PDEATHSIG, signal.SIGKILL)  # the environment's process takes its interpreter along
-        if os.getppid() != parent:
-            return 137
+    if os.getppid() != parent:
+        return 137
     processes = limits["processes"] + (0 if root else sandbox.processes_of(os.getuid()))
     setup_error = os.open(os.path.join(folder, "setup_error"), os.O_WRONLY | os.O_CREAT, 0o600)
     namespaces = sandbox.CLONE_NEWNS | sandbox.CLONE_NEWPID | sandbox.CLONE_NEWNET | (0 if root else sandbox.CLONE_NEWUSER)
@@ -191,21 +192,63 @@ def launch(folder: str, limits: dict, parent: int) -> int:
             os.write(setup_error, traceback.format_exc().encode())
         finally:
             os._exit(sandbox.SETUP_FAILED)
+    signal.signal(signal.SIGTERM, stop)
     os.close(setup_error)
     os.close(0)
     os.close(1)
-    _, status = os.waitpid(pid, 0)
+    return watch_parent(parent, pid, folder)
+
+
+class Stop(Exception):
+    pass
+
+
+def stop(signum, frame):
+    raise Stop
+
+
+def watch_parent(parent: int, pid: int, folder: str) -> int:
+    """Wait for the interpreter `pid` to end; end it when told to (SIGTERM, from stop_process) or when the
+    environment's process `parent` ends first; then remove its folder. Not PR_SET_PDEATHSIG, which follows the thread
+    that started the launcher: an environment made in a thread that ends (a pool's) keeps its interpreter. Returns the
+    interpreter's exit code."""
+    try:
+        parent_ended, ended = os.pidfd_open(parent), os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd (before Linux 5.3, or elsewhere): look twice a second
+        parent_ended = ended = None
+    status = None
+    try:
+        while os.getppid() == parent:
+            if parent_ended is not None:
+                select.select([parent_ended, ended], [], [])
+            else:
+                time.sleep(0.5)
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            status = None
+    except Stop:
+        pass
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if status is None:
+        os.kill(pid, signal.SIGKILL)  # the first process of its namespace: every process it started ends with it
+        status = os.waitpid(pid, 0)[1]
+    shutil.rmtree(folder, ignore_errors=True)
     return os.waitstatus_to_exitcode(status)
 
 
 def start_interpreter(libc, folder: str, limits: dict, processes: int, root: bool, namespaced: bool) -> None:
     """In the forked child: sandbox.start_program's view of the machine, limits and user, with stdin and stdout left
     as the pipes; then exec the interpreter's loop (python_env_server.py, copied into the folder as main.py)."""
+    import ctypes
     import math
     import resource
 
     python = os.path.realpath(sys.executable)
     if namespaced:
+        # mounts of its own, which end with it: the launcher's view keeps the folder, to remove it
+        if libc.unshare(sandbox.CLONE_NEWNS) != 0:
+            raise OSError(ctypes.get_errno(), "unshare of the mount namespace")
         sandbox.confine_files(libc, folder, root)
     else:
         os.chdir(folder)

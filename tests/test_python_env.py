@@ -182,3 +182,34 @@ def test_writes_stay_in_its_own_folder():
     finally:
         env.close()
     assert not os.path.exists("/tmp/hybridrl_python_escape") and not os.path.exists("/dev/shm/hybridrl_python_escape")
+
+
+def test_an_episode_made_in_a_thread_that_ends_keeps_its_interpreter():
+    env = episode()
+    worker = threading.Thread(target=env.run_python, args=("kept = 'alive'",))
+    worker.start()
+    worker.join()
+    time.sleep(0.3)
+    try:
+        assert env.run_python("kept") == "'alive'"
+    finally:
+        env.close()
+
+
+def test_the_interpreter_and_its_folder_go_with_the_process_that_held_it():
+    import subprocess
+    import sys
+
+    before = folders()
+    holder = (
+        "import os, signal, time\nfrom common.python_env import PythonInterpreter\nenv = PythonInterpreter()\n"
+        "env.reset()\nenv.run_python('x = 1')\nprint('ready', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", holder], env={**os.environ, "PYTHONPATH": root}, capture_output=True)
+    assert result.stdout == b"ready\n"
+    for _ in range(100):
+        if folders() == before:
+            break
+        time.sleep(0.05)
+    assert folders() == before
