@@ -201,7 +201,7 @@ def trl_worker(steps: int, seed: int, model_path: str, train_file: str, out: str
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="bench_interpreter_trl_"),
         per_device_train_batch_size=16,
-        gradient_accumulation_steps=GRPO["prompts"] * GRPO["samples"] // 16,  # one optimiser step per generated batch
+        gradient_accumulation_steps=max(1, GRPO["prompts"] * GRPO["samples"] // 16),  # one optimiser step a batch
         num_generations=GRPO["samples"],
         max_completion_length=GRPO["response_tokens"],
         max_tool_calling_iterations=GRPO["max_turns"] - 1,
@@ -259,6 +259,7 @@ def trl_worker(steps: int, seed: int, model_path: str, train_file: str, out: str
 def run_trl(trl_python: str, steps: int, seed: int, export: str, train_file: str, work: Path) -> dict:
     saved, log = work / f"trl_model_{seed}", work / f"trl_{seed}.log"
     command = [trl_python, __file__, "--trl-worker", "--model", export, "--data", train_file, "--save", str(saved)]
+    command += ["--prompts", str(GRPO["prompts"])]
     print(f"TRL's output, written as it runs: {log}", flush=True)
     started = time.perf_counter()
     with open(log, "w") as output:
@@ -297,30 +298,35 @@ def phase_sft(result: dict, files: dict, args, work: Path) -> None:
 
 
 def phase_grpo(result: dict, files: dict, args, work: Path) -> None:
-    folder = work / f"grpo_{result['seed']}"
-    folder.mkdir()
-    # its own validation at the last step on 8 held-out problems alone: the judge's is the one reported
-    few = work / "val_8.parquet"
-    pq.write_table(pq.read_table(files["val"]).slice(0, 8), few)
-    data = ["--train-files", files["train"], "--val-files", str(few), "--val-batch-size", "8"]
-    flags = ["--model-path", result["export"], "--seed", str(result["seed"]), *data, *grpo_flags(args.grpo_steps)]
-    rows, run_dir, seconds = run_script("grpo_hybrid.py", flags, folder)
-    steps = [row for row in rows if "timing/step" in row]
-    result |= dict(
-        grpo_seconds=seconds,
-        grpo_step_seconds=sum(row["timing/step"] for row in steps[1:]) / max(1, len(steps) - 1),  # the first left out
-        grpo_reward=[row.get("critic/score/mean") for row in steps],
-        grpo_tool_calls=[row.get("env/tool_calls") for row in steps],
-    )
-    result["grpo"] = judged(str(run_dir / "model"), files["val"], args.val_problems)
-    print(f"seed {result['seed']}: GRPO {cell(result['grpo'])} ({seconds:.0f} s)", flush=True)
+    if "grpo_model" not in result:  # else trained by an earlier run of this command that stopped before the judge
+        folder = work / f"grpo_{result['seed']}"
+        folder.mkdir()
+        # its own validation at the last step on 8 held-out problems alone: the judge's is the one reported
+        few = work / "val_8.parquet"
+        pq.write_table(pq.read_table(files["val"]).slice(0, 8), few)
+        data = ["--train-files", files["train"], "--val-files", str(few), "--val-batch-size", "8"]
+        flags = ["--model-path", result["export"], "--seed", str(result["seed"]), *data, *grpo_flags(args.grpo_steps)]
+        rows, run_dir, seconds = run_script("grpo_hybrid.py", flags, folder)
+        steps = [row for row in rows if "timing/step" in row]
+        result |= dict(
+            grpo_model=str(run_dir / "model"),
+            grpo_seconds=seconds,
+            grpo_step_seconds=sum(row["timing/step"] for row in steps[1:]) / max(1, len(steps) - 1),  # the first left out
+            grpo_reward=[row.get("train/reward_mean") for row in steps],
+            grpo_tool_calls=[row.get("env/tool_calls") for row in steps],
+        )
+        args.save()
+    result["grpo"] = judged(result["grpo_model"], files["val"], args.val_problems)
+    print(f"seed {result['seed']}: GRPO {cell(result['grpo'])} ({result['grpo_seconds']:.0f} s)", flush=True)
 
 
 def phase_trl(result: dict, files: dict, args, work: Path) -> None:
-    trl = run_trl(args.trl_python, args.grpo_steps, result["seed"], result["export"], files["train"], work)
-    result |= dict(trl_seconds=trl["wall_seconds"], trl_step_seconds=trl["step_mean"], trl_log=trl)
-    result["trl"] = judged(trl["model"], files["val"], args.val_problems)
-    print(f"seed {result['seed']}: TRL {cell(result['trl'])} ({trl['wall_seconds']:.0f} s)", flush=True)
+    if "trl_log" not in result:  # trained by an earlier run of this command that stopped before the judge
+        trl = run_trl(args.trl_python, args.grpo_steps, result["seed"], result["export"], files["train"], work)
+        result |= dict(trl_seconds=trl["wall_seconds"], trl_step_seconds=trl["step_mean"], trl_log=trl)
+        args.save()
+    result["trl"] = judged(result["trl_log"]["model"], files["val"], args.val_problems)
+    print(f"seed {result['seed']}: TRL {cell(result['trl'])} ({result['trl_seconds']:.0f} s)", flush=True)
 
 
 def table(results: dict, args, cpu: str) -> list[str]:
@@ -334,7 +340,7 @@ def table(results: dict, args, cpu: str) -> list[str]:
     base = results.get("base")
     lines = [
         f"{cpu}; the first {args.val_problems} held-out problems, greedy, every model judged alike; calls: the share of "
-        "episodes that ran the tool",
+        f"episodes that ran the tool; GRPO and TRL: {GRPO['prompts']} prompts x {GRPO['samples']} samples a step",
         "",
         "| SmolLM2-135M-Instruct | " + " | ".join(f"seed {r['seed']}" for r in seeds) + " | wall time | seconds a step |",
         "|---|" + "---|" * len(seeds) + "---|---|",
@@ -353,6 +359,7 @@ if __name__ == "__main__":
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--sft-steps", type=int, default=4, help="warm start steps (16 transcripts each)")
     parser.add_argument("--grpo-steps", type=int, default=10)
+    parser.add_argument("--prompts", type=int, default=GRPO["prompts"], help="prompts a GRPO step (4 samples each)")
     parser.add_argument("--val-problems", type=int, default=64, help="held-out problems each judgement answers")
     parser.add_argument("--trl-python", help="the Python of an environment with TRL: its GRPOTrainer runs beside ours")
     parser.add_argument(
@@ -371,6 +378,7 @@ if __name__ == "__main__":
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--save", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    GRPO["prompts"] = args.prompts
     if args.judge:
         print(json.dumps(judge(args.judge, args.val_file, args.val_problems)))
         sys.exit()
@@ -389,6 +397,7 @@ if __name__ == "__main__":
     saved = work / "results.json"
     results = json.loads(saved.read_text()) if saved.exists() else {}
     files = interpreter_task.write(str(work / "data"))
+    args.save = lambda: saved.write_text(json.dumps(results, indent=1) + "\n")
     for phase in phases:
         for seed in [None] if phase == "base" else args.seeds:
             result = results if seed is None else results.setdefault(str(seed), dict(seed=seed))
@@ -396,7 +405,7 @@ if __name__ == "__main__":
             if done or (phase in ("grpo", "trl") and "export" not in result):
                 continue
             PHASES[phase](result, files, args, work)
-            saved.write_text(json.dumps(results, indent=1) + "\n")
-    settings = vars(args) | {"grpo": GRPO, "sft": SFT}
+            args.save()
+    settings = {k: v for k, v in vars(args).items() if k != "save"} | {"grpo": GRPO, "sft": SFT}
     write_table(table(results, args, cpu), args.out, dict(cpu=cpu, settings=settings, results=results))
     print(f"the runs: {work}")
