@@ -124,13 +124,10 @@ class Interpreter:
         try:
             self.process.stdin.write(json.dumps({"code": code}).encode() + b"\n")
             self.process.stdin.flush()
-        except OSError:  # it ended
-            return None
-        line = self.read_line(wait)
-        try:
+            line = self.read_line(wait)
             return json.loads(line) if line else None
-        except ValueError:  # the cell wrote to the interpreter's own pipe
-            return None
+        except (OSError, ValueError):  # it ended, or was stopped meanwhile (close() on another thread), or the cell wrote
+            return None  # to the interpreter's own pipe
 
     def read_line(self, seconds: float) -> bytes | None:
         deadline = time.monotonic() + seconds

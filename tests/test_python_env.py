@@ -213,3 +213,20 @@ def test_the_interpreter_and_its_folder_go_with_the_process_that_held_it():
             break
         time.sleep(0.05)
     assert folders() == before
+
+
+def test_close_from_another_thread_ends_a_call_under_way():
+    """As an episode past its timeout is closed while its tool still runs."""
+    before = folders()
+    env = episode()
+    env.run_python("x = 1")
+    answers = []
+    worker = threading.Thread(target=lambda: answers.append(env.run_python("import time\ntime.sleep(4)")))
+    worker.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    env.close()
+    worker.join(10)
+    assert time.monotonic() - started < 2 and not worker.is_alive()
+    assert "every variable is gone" in answers[0]
+    assert folders() == before
