@@ -218,7 +218,7 @@ def critic_loss(batch, values, minibatch_tokens, minibatch_seqs, args: Args):
 
 if __name__ == "__main__":
     from common import demo
-    from common.envs import split_turn_rewards
+    from common.episodes import split_turn_rewards
     from common.rollout_correction import rejection_mask, rollout_diagnostics, update_figures
     from common.run import Run
     from common.tracking import timer

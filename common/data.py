@@ -120,8 +120,9 @@ def check_row(row, path: str, index: int) -> None:
         )
     if row.get("extra_info") is not None and not isinstance(row["extra_info"], dict):
         raise DataError(f"{where}: field 'extra_info' must be a dict when present")
-    if row.get("env") is not None and not isinstance(row["env"], str):
-        raise DataError(f"{where}: field 'env' must be a string naming one of --env's environments when present")
+    for name in ("env", "environment"):  # ours, TRL's
+        if row.get(name) is not None and not isinstance(row[name], str):
+            raise DataError(f"{where}: field '{name}' must be a string naming one of --env's environments when present")
 
 
 def render_prompt(prompt, tokenizer, tools: list[dict] | None = None) -> str:
@@ -148,16 +149,17 @@ def load_prompts(
     """Read, check and tokenise every row of `files`; raise on the first bad one. A prompt over `max_prompt_length`
     tokens is an error, its last tokens kept (`overlong` "truncate") or the row left out ("drop", counted and printed).
     `envs`: with --env or --tools, each environment's tools by name (their schemas, rendered in the prompt; None for a
-    step(text) environment): a row's `env` field names its environment, kept as `env`, else the first."""
+    step(text) environment): a row's `env` field (or TRL's `environment`) names its environment, kept as `env`, else the
+    first."""
     prompt_ids, data_sources, ground_truths, extra_infos, texts, messages, prompts, columns = ([] for _ in range(8))
     env_names, dropped = [], 0
     for path in data_files(files):
         for index, row in enumerate(read_rows(path)):
             check_row(row, path, index)
-            env_name = row.get("env") or (next(iter(envs)) if envs else None)
+            env_name = row.get("env") or row.get("environment") or (next(iter(envs)) if envs else None)
             if env_name is not None and env_name not in (envs or {}):
                 raise DataError(
-                    f"{path}, row {index}: field 'env' names {env_name!r}, not one of --env's environments "
+                    f"{path}, row {index}: field 'env' (or 'environment') names {env_name!r}, not one of --env's environments "
                     f"({', '.join(envs or {}) or 'no --env given'}); pass it to --env, or fix the row"
                 )
             schemas = envs[env_name] if envs else None

@@ -1,10 +1,11 @@
-"""Running a user's code (a reward function, an environment's turns) so that nothing it does reaches the run.
+"""Running a user's code (a reward function) so that nothing it does reaches the run.
 
-One mechanism serves every kind of call: a pool of processes (CallProcesses) that each load the user's code once
-and make its calls one at a time, with a deadline per call, a new process in place of one that dies, and a fresh one
-after many calls; or, to debug with breakpoint(), the same calls made in this process (InProcessCalls). A CallKind
-says how to load the code from its flag's value and how to make one call of it, by module and function name: this
-module imports neither, so common/rewards.py and common/envs.py each build on it and not on each other.
+A pool of processes (CallProcesses) that each load the user's code once and make its calls one at a time, with a
+deadline per call, a new process in place of one that dies, and a fresh one after many calls; or, to debug with
+breakpoint(), the same calls made in this process (InProcessCalls). A CallKind says how to load the code from its
+flag's value and how to make one call of it, by module and function name: this module imports neither. The processes
+that keep environments alive for their episodes (common/env_processes.py) start and end theirs alike (start_process,
+kill_session).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def import_function(name: str):
 
 def load_user_file(path: str):
     """The module of the user's file `path`, loaded once per process under a name every process derives alike, so that
-    an object pickled in one process (an environment between turns) unpickles in another from the same class."""
+    an object pickled in one process unpickles in another from the same class."""
     module_name = "user_code_" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:16]
     if module_name not in sys.modules:
         module_spec = importlib.util.spec_from_file_location(module_name, path)
@@ -75,6 +76,31 @@ def load_user_file(path: str):
             del sys.modules[module_name]
             raise
     return sys.modules[module_name]
+
+
+def start_process(module: str, arguments: list[str], pass_fds=(), env: dict | None = None):
+    """`python -m module SOCKET *arguments` in a session of its own, and our end of the socket SOCKET names (a file
+    descriptor) as a Connection. Its own session: Ctrl-C in the terminal stops the run between steps, not the user's
+    code mid-call, and a kill takes whatever that code started with it. `env`: variables set for it."""
+    ours, theirs = socket.socketpair()
+    process = subprocess.Popen(
+        [sys.executable, "-m", module, str(theirs.fileno()), *arguments],
+        pass_fds=[theirs.fileno(), *pass_fds],
+        stdin=subprocess.DEVNULL,
+        env=os.environ | {"PYTHONPATH": os.pathsep.join([PROJECT_ROOT, os.environ.get("PYTHONPATH", "")])} | (env or {}),
+        start_new_session=True,
+    )
+    theirs.close()
+    return process, Connection(ours.detach())
+
+
+def kill_session(process) -> None:
+    """Kill `process` and whatever it started in its session, and reap it."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
 
 
 class CallTimeout(BaseException):  # not an Exception, so that the user's own `except Exception` cannot swallow it
@@ -187,22 +213,12 @@ class CallProcesses:
         atexit.register(self.close)
 
     def _start(self) -> CallProcess:
-        ours, theirs = socket.socketpair()
         with tempfile.TemporaryFile() as file:
             file.truncate(CURRENT_CALL.size)
             current_call = mmap.mmap(file.fileno(), CURRENT_CALL.size)
-            # Its own session: Ctrl-C in the terminal stops the run between steps, not the user's code mid-call, and a
-            # kill takes whatever that code started with it.
-            numbers = [str(theirs.fileno()), str(file.fileno())]
-            process = subprocess.Popen(
-                [sys.executable, "-m", "common.isolation", *numbers, self.spec or "", self.kind.load, self.kind.call],
-                pass_fds=[theirs.fileno(), file.fileno()],
-                stdin=subprocess.DEVNULL,
-                env=os.environ | {"PYTHONPATH": os.pathsep.join([PROJECT_ROOT, os.environ.get("PYTHONPATH", "")])},
-                start_new_session=True,
-            )
-        theirs.close()
-        return CallProcess(process, Connection(ours.detach()), current_call)
+            arguments = [str(file.fileno()), self.spec or "", self.kind.load, self.kind.call]
+            process, connection = start_process("common.isolation", arguments, pass_fds=[file.fileno()])
+        return CallProcess(process, connection, current_call)
 
     def _replace(self, slot: int, todo: deque) -> int:
         """Kill the process in `slot` and start another; the samples it was sent go back to the front of `todo`,
@@ -216,11 +232,7 @@ class CallProcesses:
 
     @staticmethod
     def _kill(worker: CallProcess) -> None:
-        try:
-            os.killpg(worker.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        worker.process.wait()
+        kill_session(worker.process)
         worker.connection.close()
 
     def __call__(self, samples: list[tuple]) -> list[tuple]:

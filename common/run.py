@@ -298,7 +298,7 @@ class Run:
         Stops the run after --max-bad-steps steps in a row whose updates a NaN or inf gradient skipped.
         """
         from common.checkpoint import save_checkpoint
-        from common.envs import episode_metrics
+        from common.episodes import episode_metrics
         from common.rewards import extra_means
         from common.tracking import timer
 

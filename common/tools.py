@@ -215,7 +215,7 @@ def argument_problem(schema: dict, arguments: dict) -> str | None:
 def call_tool(function: Callable, schema: dict, arguments: dict) -> tuple[str, bool]:
     """The result the model reads of calling `function` with `arguments`, and whether it is an error message: a wrong
     argument gets one; a result that is not a string becomes one with str(), as TRL does. What the tool raises, it
-    raises: the episode ends (common/envs.py)."""
+    raises: the environment's act (common/envs.py) answers the model with it."""
     problem = argument_problem(schema, arguments)
     if problem:
         return f"error: {problem}", True

@@ -146,3 +146,18 @@ def in_process_run(demo_files, tmp_path_factory):
     result = run_script("grpo_hybrid.py", *flags, cwd=folder, env={"OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     return result, metrics_of(folder)[0]
+
+
+@pytest.fixture(scope="session")
+def tool_tokenizer(tiny_model):
+    """The tiny model's characters (read as a plain tokenizer file, which keeps whitespace), ChatML's markers, and the
+    built-in Qwen-style template chatml_tools: a Qwen2.5 tokenizer in miniature."""
+    from transformers import PreTrainedTokenizerFast
+
+    from common.tools import read_chat_template
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=os.path.join(tiny_model, "tokenizer.json"), pad_token="<pad>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.eos_token = "<|im_end|>"
+    tokenizer.chat_template = read_chat_template("chatml_tools")
+    return tokenizer

@@ -28,7 +28,8 @@ from ray import cloudpickle
 from common.attention import register as register_flex
 from common.attention import register_varlen
 from common.dataproto import DataProto
-from common.envs import Environments, run_episodes
+from common.envs import Environments
+from common.episodes import EpisodeLimits, run_episodes
 from common.layouts import response_outputs, rows_of
 from common.log_probs import response_log_probs
 from common.memory import measured
@@ -339,13 +340,15 @@ def local_model(path):
 
 
 SAMPLING = dict(do_sample=True, top_p=1.0, top_k=0)
+LONGEST_PROMPT = 4000  # the episodes' --max-prompt-length: more than any test's prompt with what a reset adds
 
 
 def play(policy, prompts, env_calls, envs, tokenizer, eos, max_turns=3, max_response_length=12, n=4):
     """`n` episodes of each prompt; `envs`: Environments, or one environment class."""
     batch = prompts.repeat(n, interleave=True)
     envs = envs if isinstance(envs, Environments) else Environments.of(envs)
-    return batch | run_episodes(policy, batch, env_calls, envs, tokenizer, eos, max_turns, max_response_length, SAMPLING)
+    limits = EpisodeLimits(max_turns, LONGEST_PROMPT, max_response_length)
+    return batch | run_episodes(policy, batch, env_calls, envs, tokenizer, eos, limits, SAMPLING)
 
 
 def turns_of(mask: torch.Tensor) -> list[tuple[int, int]]:

@@ -12,9 +12,12 @@ from ray import cloudpickle
 
 from common.data import collate
 from common.dataproto import DataProto
-from common.envs import ENV_CALLS, AnswerFraming, Calculator, Environments, call_env, episode_metrics, episode_spec, load_env
-from common.envs import stop_end
-from common.isolation import REPORTED_FAILURES, CallProcesses, InProcessCalls
+from common.env_processes import EnvProcesses, EnvsInProcess
+from common.envs import Calculator, Environments, episode_spec, load_env
+from common.episode_play import AnswerFraming
+from common.episodes import episode_metrics
+from common.isolation import REPORTED_FAILURES
+from common.rollout import stop_end
 from common.worker_group import WorkerGroup
 from helpers import LOG_PROB_INPUTS, PolicyProbe, play, turns_of
 
@@ -81,14 +84,6 @@ class Judge:
 
 class Empty:
     """Neither step(text) nor tools."""
-
-
-class Unpicklable:
-    def reset(self, data_source, ground_truth, extra_info):
-        self.stream = open(__file__)
-
-    def step(self, text):
-        return "more;"
 '''
 
 
@@ -138,7 +133,7 @@ def turn_by_turn_log_probs(policy, batch, tokenizer) -> list[torch.Tensor]:
 
 
 def test_the_models_tokens_score_alike_in_one_pass_and_turn_by_turn(policy, prompts, tokenizer, eos, env_file):
-    env_calls = CallProcesses(episode_spec(f"{env_file}:Chatty", None), 2, ENV_CALLS, timeout=30)
+    env_calls = EnvProcesses(episode_spec(f"{env_file}:Chatty", None), 2, timeout=30)
     try:
         batch = play(policy, prompts[[1, 2, 3]], env_calls, load_env(f"{env_file}:Chatty"), tokenizer, eos)
     finally:
@@ -171,7 +166,7 @@ def test_the_models_tokens_score_alike_in_one_pass_and_turn_by_turn(policy, prom
 
 
 def test_the_token_limit_and_the_turn_limit_end_episodes(policy, prompts, tokenizer, eos, env_file):
-    env_calls = InProcessCalls(Environments.of(load_env(f"{env_file}:Chatty")), "Chatty", ENV_CALLS, timeout=30)
+    env_calls = EnvsInProcess(Environments.of(load_env(f"{env_file}:Chatty")), timeout=30)
     short = play(policy, prompts[[1, 3]], env_calls, load_env(f"{env_file}:Chatty"), tokenizer, eos, 5, 5, n=8)
     assert (short["attention_mask"][:, -5:].sum(-1) <= 5).all()
     assert set(short["ending"]) == {"token_limit"}
@@ -185,8 +180,8 @@ def test_a_tool_that_raises_or_hangs_ends_its_episode_alone(policy, prompts, tok
     broken = [i for i, extra in enumerate(prompts["extra_info"]) if extra["a"] in (2, 4)]
     assert len(broken) == 2, "the demo's first prompts hold a = 2 and a = 4"
     REPORTED_FAILURES.clear()  # what earlier tests in this process printed
-    # three processes: the two hung calls hold two, the other episodes' calls take the third
-    env_calls = CallProcesses(episode_spec(f"{env_file}:Chatty", None), 3, ENV_CALLS, timeout=10)
+    # the hung calls' processes are replaced after the timeout and the grace, once every other episode has ended
+    env_calls = EnvProcesses(episode_spec(f"{env_file}:Chatty", None), 3, timeout=10)
     try:
         batch = play(policy, prompts[rows + broken], env_calls, load_env(f"{env_file}:Chatty"), tokenizer, eos, n=2)
     finally:
@@ -206,8 +201,8 @@ def test_a_tool_that_raises_or_hangs_ends_its_episode_alone(policy, prompts, tok
 def test_a_slow_environment_delays_its_own_episode_alone_and_turns_are_rewarded(policy, prompts, tokenizer, eos, env_file):
     rows = [i for i, extra in enumerate(prompts["extra_info"]) if extra["a"] != 4][:2]
     slow = [i for i, extra in enumerate(prompts["extra_info"]) if extra["a"] == 4]
-    # three processes: the two slow calls hold two, the other episodes' calls take the third
-    env_calls = CallProcesses(episode_spec(f"{env_file}:Sleepy", None), 3, ENV_CALLS, timeout=30)
+    # one process: each episode's calls on a thread of its own, so the slow ones hold no other
+    env_calls = EnvProcesses(episode_spec(f"{env_file}:Sleepy", None), 1, timeout=30)
     try:
         batch = play(policy, prompts[slow + rows], env_calls, load_env(f"{env_file}:Sleepy"), tokenizer, eos, n=2)
     finally:
@@ -226,21 +221,14 @@ def test_a_slow_environment_delays_its_own_episode_alone_and_turns_are_rewarded(
 
 
 def test_an_environments_score_ends_the_episode(policy, prompts, tokenizer, eos, env_file):
-    env_calls = InProcessCalls(Environments.of(load_env(f"{env_file}:Judge")), "Judge", ENV_CALLS)
+    env_calls = EnvsInProcess(Environments.of(load_env(f"{env_file}:Judge")))
     batch = play(policy, prompts[[0, 1]], env_calls, load_env(f"{env_file}:Judge"), tokenizer, eos)
     assert set(batch["ending"]) == {"by_env"} and set(batch["turns"]) == {1}
     assert batch["episode_score"].tolist() == [float(len(text)) for text in batch["final_turn"]]
 
 
-def test_an_environment_that_cannot_travel_between_turns_fails_clearly(env_file):
-    environments = Environments.of(load_env(f"{env_file}:Unpicklable"))
-    outcome = call_env(environments, "Unpicklable", None, ("addition", "3", {}), ("text", "1"))
-    assert outcome[0] == "error" and "TextIOWrapper" in outcome[2]
-
-
 def test_the_calculator():
     calculator = Calculator()
-    calculator.reset("multiplication", "1776", {})
     assert calculator.step("[37*48]") == "1776;"
     assert calculator.step("[37*]") == "error;"
     assert calculator.step("[9**9**9]") == "error;"

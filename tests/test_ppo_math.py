@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from common.dataproto import DataProto
-from common.envs import split_turn_rewards
+from common.episodes import split_turn_rewards
 from ppo_hybrid import compute_gae, compute_value_loss, kl_penalised_rewards, masked_whiten, update_kl_coef
 
 

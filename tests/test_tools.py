@@ -7,7 +7,6 @@ test_vllm.py's, and the script's step below runs the real one with tools.
 """
 
 import json
-import os
 import shlex
 from types import SimpleNamespace
 
@@ -15,9 +14,11 @@ import pytest
 
 from common.data import DataError, collate, load_prompts
 from common.dataproto import DataProto
-from common.envs import ENV_CALLS, call_env, episode_spec, load_environments, run_episodes
-from common.isolation import REPORTED_FAILURES, CallProcesses, InProcessCalls
-from common.tools import check_tool_template, parse_tool_calls, read_chat_template, render
+from common.env_processes import EnvProcesses, EnvsInProcess
+from common.envs import LiveEpisode, episode_spec, load_environments
+from common.episodes import EpisodeLimits, run_episodes
+from common.isolation import REPORTED_FAILURES
+from common.tools import check_tool_template, parse_tool_calls, render
 from helpers import metrics_of, run_script, stop_in_process
 
 TOOLS = '''
@@ -100,19 +101,6 @@ def tools_file(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def tool_tokenizer(tiny_model):
-    """The tiny model's characters (read as a plain tokenizer file, which keeps whitespace), ChatML's markers, and the
-    built-in Qwen-style template chatml_tools: a Qwen2.5 tokenizer in miniature."""
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=os.path.join(tiny_model, "tokenizer.json"), pad_token="<pad>")
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tokenizer.eos_token = "<|im_end|>"
-    tokenizer.chat_template = read_chat_template("chatml_tools")
-    return tokenizer
-
-
 class ScriptedEngine:
     """Generates what `script` says, as a worker group of one rank: for a context holding a key of it, its turns in
     order, each ended by EOS."""
@@ -158,9 +146,10 @@ def row(question: str, truth: str = "0", **fields) -> dict:
 
 
 def play(tokenizer, batch, environments, script, env_calls=None, max_turns=3, max_response_length=400):
-    env_calls = env_calls or InProcessCalls(environments, environments.spec, ENV_CALLS)
+    env_calls = env_calls or EnvsInProcess(environments)
     engine, eos = ScriptedEngine(tokenizer, script), [tokenizer.eos_token_id]
-    return run_episodes(engine, batch, env_calls, environments, tokenizer, eos, max_turns, max_response_length, {})
+    limits = EpisodeLimits(max_turns, 4000, max_response_length)
+    return run_episodes(engine, batch, env_calls, environments, tokenizer, eos, limits, {})
 
 
 def test_the_schemas_reach_the_prompt_through_the_chat_template(tool_tokenizer, tools_file, tmp_path):
@@ -229,9 +218,11 @@ def test_tool_calls_get_results_or_error_messages(tool_tokenizer, tools_file):
         {"name": "multiply", "arguments": {"a": 1.5, "b": 2}},
         {"error": "error: the tool call could not be parsed"},
     ]
-    outcome = call_env(environments, "", None, ("tools", "37", {}), ("tools", calls))
-    assert outcome[0] == "ok" and outcome[1][0] is None
-    assert outcome[1][1] == [
+    episode = LiveEpisode(environments, "")
+    assert episode.handle(("open", {"ground_truth": "37"})) == ("ok", None)
+    outcome = episode.handle(("tools", calls))
+    assert outcome[0] == "ok" and outcome[1][1:] == (None, None)  # no turn reward, no tool raised
+    assert outcome[1][0] == [
         ("1776", False),
         ("[0, 1, 2]", False),
         ("error: there is no tool divide; the tools: multiply, listing", True),
@@ -272,22 +263,27 @@ def test_the_episode_is_the_templates_rendering_of_its_calls_and_results(tool_to
     assert answer == f"\n<|im_start|>user\n<tool_response>\n{error}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_a_tool_that_raises_hangs_or_exits_ends_its_episode_alone(tool_tokenizer, tools_file, tmp_path, capsys):
+def test_a_tool_that_raises_answers_with_the_error_and_one_that_hangs_or_exits_ends_its_episode(
+    tool_tokenizer, tools_file, tmp_path, capsys
+):
     tokenizer = tool_tokenizer
     names = ["boom", "sleepy", "leave", "listing"]
     environments = load_environments(episode_spec(None, [f"{tools_file}:{','.join(names)}"]))
     batch = batch_of(tokenizer, tmp_path, [row(f"{name}?") for name in names], environments)
     script = {f"{name}?": [call(name, x=2), "done"] for name in names}
     REPORTED_FAILURES.clear()
-    env_calls = CallProcesses(environments.spec, 2, ENV_CALLS, timeout=2)
+    env_calls = EnvProcesses(environments.spec, 4, timeout=2)  # an episode a process: a death takes no other
     try:
         episodes = play(tokenizer, batch, environments, script, env_calls)
     finally:
         env_calls.close()
-    assert episodes["ending"].tolist() == ["error", "timeout", "error", "answered"]
-    assert episodes["episode_score"].tolist() == [0.0, 0.0, 0.0, None]
+    assert episodes["ending"].tolist() == ["answered", "timeout", "error", "answered"]
+    assert episodes["episode_score"].tolist() == [None, 0.0, 0.0, None]
+    assert episodes["tool_errors"].tolist() == [1, 0, 0, 0]  # as TRL: the model reads what the tool raised
+    answer = tokenizer.decode(episodes["responses"][0][~episodes["response_mask"][0].bool()])
+    assert "error: ValueError: a tool that breaks" in answer
     err = capsys.readouterr().err
-    assert "the environment failed (ValueError)" in err and "the environment failed (ProcessDied)" in err
+    assert "a tool raised ValueError" in err and "the environment failed (ProcessDied)" in err
 
 
 def test_environments_with_tool_methods_and_a_reward_picked_per_row(tool_tokenizer, tools_file, tmp_path):
@@ -315,7 +311,7 @@ def test_environments_with_tool_methods_and_a_reward_picked_per_row(tool_tokeniz
     assert episodes["tool_calls"].tolist() == [1, 2, 2, 0]
     assert episodes["tool_errors"].tolist() == [0, 1, 0, 0]  # tick is not Store's
     assert "<tool_response>\n2\n</tool_response>" in tokenizer.decode(episodes["responses"][2])  # its state kept
-    with pytest.raises(DataError, match="field 'env' names 'Shop', not one of --env's environments"):
+    with pytest.raises(DataError, match=r"field 'env' \(or 'environment'\) names 'Shop', not one of --env's environments"):
         batch_of(tokenizer, tmp_path, [row("?", env="Shop")], environments)
 
 

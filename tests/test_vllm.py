@@ -15,8 +15,8 @@ import torch
 from ray import cloudpickle
 
 import grpo_hybrid
-from common.envs import ENV_CALLS, Environments
-from common.isolation import InProcessCalls
+from common.env_processes import EnvsInProcess
+from common.envs import Environments
 from common.memory import machine_memory_bytes
 from common.vllm_engine import MAX_NUM_SEQS, kv_cache_bytes
 from common.rollout_correction import rollout_logprob_gap
@@ -118,7 +118,7 @@ class Countdown:
 
 
 def test_engine_plays_multi_turn_episodes(policy, prompts, tokenizer):
-    env_calls = InProcessCalls(Environments.of(Countdown), "--env test_vllm.py:Countdown", ENV_CALLS)
+    env_calls = EnvsInProcess(Environments.of(Countdown))
     batch = play(
         policy, prompts, env_calls, Countdown, tokenizer, [tokenizer.eos_token_id], max_turns=4, max_response_length=10
     )
