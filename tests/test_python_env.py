@@ -230,3 +230,27 @@ def test_close_from_another_thread_ends_a_call_under_way():
     assert time.monotonic() - started < 2 and not worker.is_alive()
     assert "every variable is gone" in answers[0]
     assert folders() == before
+
+
+def test_the_warm_start_transcripts_steps_give_what_the_interpreter_answers():
+    """examples/reasoning_gym/interpreter_task.py writes each call's result as the interpreter answers it."""
+    import importlib.util
+    import sys
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples/reasoning_gym")
+    sys.path.insert(0, path)
+    try:
+        spec = importlib.util.spec_from_file_location("interpreter_task", os.path.join(path, "interpreter_task.py"))
+        task = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(task)
+    finally:
+        sys.path.remove(path)
+    expression = "361 - 220 - 607 + 879 + 560"
+    steps = task.steps_of(expression)
+    assert steps == ["x = 361 - 220 - 607\nx", "x = x + 879 + 560\nx"]
+    assert task.steps_of("1 + 2 + 3 - 4 + 5 - 6") == ["x = 1 + 2 + 3\nx", "x = x - 4 + 5 - 6\nx"]
+    env = episode()
+    try:
+        assert [env.run_python(code) for code in steps] == ["-466", str(eval(expression))]
+    finally:
+        env.close()
