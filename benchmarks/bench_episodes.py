@@ -1,19 +1,20 @@
-"""Multi-turn rollouts on the real model, turn by turn against each episode on its own: seconds per rollout, the
-engine's idle share and the context it computes again, with a tool that answers at once and one that takes 0-2 s.
+"""Multi-turn rollouts on the real model, each episode on its own with its environment alive in the environment
+processes: seconds per rollout, the engine's idle share and the context it computes again, with a tool that answers at
+once and one that takes 0-2 s.
 
 The policy: SmolLM2-135M-Instruct after the demo's warm start with the multiply tool (`sft_hybrid.py --model-path
 smollm2`, its defaults; built once and kept under $HYBRIDRL_CACHE/episodes-policy-v1, default ~/.cache/hybridrl), so
 that its episodes call the tool. A rollout: 32 episodes (8 of the demo's RL prompts x 4 samples), up to --max-turns 3
 model turns each, the demo's chatml_tools template and lengths (320 prompt tokens, 96 for the whole episode), sampled
-at temperature 1. The policy worker group is built as the training scripts build it (common/run.py: Run), on one CPU
-worker in bf16, once per engine (hf, then vllm), and serves every setting:
+at temperature 1, played by `common.episodes.run_episodes` (each episode goes on as soon as its own call answers). The
+policy worker group is built as the training scripts build it (common/run.py: Run), on one CPU worker in bf16, once
+per engine (hf, then vllm), and serves every setting:
 
 - the tool: the built-in `multiply`, which answers at once, or benchmarks/episode_tools.py's, the same tool answering
-  after a random 0-2 s (drawn from the call's arguments: where both loops make the same call, they wait as long);
-  each in environment processes of its own (one per episode, --env-workers), built once per engine;
-- the loop: "turn by turn", `run_episodes` of commit f3c0107 (loaded from git), which generated every active
-  episode's turn in one `generate`, then made every environment call of the batch, then the next turn; against
-  "per episode", today's `common.envs.run_episodes`, where each episode goes on as soon as its own call answers.
+  after a random 0-2 s (drawn from the call's arguments: the same call waits as long in every setting); each in
+  environment processes of its own (common/env_processes.py: EnvProcesses), built once per engine. As many processes
+  as a run starts by default (common/run.py: one per CPU core, at most 16; --env-workers), not one per episode: each
+  holds the live objects of many episodes, each on a thread of its own, so the calls that sleep wait side by side.
 
 Each setting plays one warm-up rollout, then --rollouts rollouts, the same prompts for every setting (rollout k draws
 the run's k-th batch). Per setting, the means over those rollouts of: seconds per rollout; the engine's idle share,
@@ -22,9 +23,11 @@ wall time; the tokens prefilled again per model turn: the context tokens the eng
 computed (`engine_work()`'s prefilled tokens: not taken from a cache) less the tokens no engine had seen before (each
 distinct prompt's once, each environment answer's, and per turn after the first the last token sampled before it,
 which the engine never ran), divided by the model turns; model turns and tool calls per episode. A rollout's seconds
-vary with its samples (turn by turn, each turn's generate lasts as long as its longest response), so the table gives
-the fastest and the slowest beside the mean. Printed and written (--out, a markdown table and its JSON beside it, which
-keeps every rollout's figures).
+vary with its samples (on the hf engine, a generate lasts as long as its longest response), so the table gives the
+fastest and the slowest beside the mean. Printed and written (--out, a markdown table and its JSON beside it, which
+keeps every rollout's figures). The loop that played a batch turn by turn (commit f3c0107), which this benchmark
+compared until the environments became live objects, called them by a protocol that is gone; its figures are in
+docs/changelog.md (2026-11-28).
 
     python benchmarks/bench_episodes.py                               # hf and vllm, 4 rollouts per setting
     python benchmarks/bench_episodes.py --engines hf --rollouts 1 --prompts 2
@@ -32,7 +35,6 @@ keeps every rollout's figures).
 
 import argparse
 import datetime
-import importlib.util
 import json
 import os
 import shlex
@@ -49,7 +51,6 @@ sys.path.insert(0, str(ROOT))
 from demo_table import machine, write_table  # noqa: E402
 
 POLICY_CACHE = "episodes-policy-v1"  # the warm start's export, under the demo's cache
-TURN_BY_TURN = "f3c0107"  # the last commit whose run_episodes played a batch turn by turn
 TOOLS = {"instant": "multiply", "0-2 s": f"{ROOT / 'benchmarks' / 'episode_tools.py'}:multiply"}
 SAMPLING = dict(do_sample=True, top_p=1.0, top_k=0)
 
@@ -76,36 +77,25 @@ def warm_started_policy() -> str:
     return str(ready)
 
 
-def turn_by_turn_loop():
-    """`run_episodes` of commit TURN_BY_TURN, its room loaded from git as a module of its own: the same signature as
-    today's, and it calls today's worker groups (one `generate` scatter per turn)."""
-    source = subprocess.run(
-        ["git", "show", f"{TURN_BY_TURN}:common/envs.py"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout
-    spec = importlib.util.spec_from_loader(f"envs_{TURN_BY_TURN}", loader=None)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    exec(compile(source, f"{TURN_BY_TURN}:common/envs.py", "exec"), module.__dict__)
-    return module.run_episodes
-
-
-class TurnByTurnCalls:
-    """Environment calls as the turn-by-turn loop reads them: an answered call's (state, reply), without the turn's
-    reward that today's call_env returns after them."""
-
-    def __init__(self, calls):
-        self.calls = calls
-
-    def __call__(self, samples: list[tuple]) -> list[tuple]:
-        return [("ok", outcome[1][:2]) if outcome[0] == "ok" else outcome for outcome in self.calls(samples)]
+def env_processes() -> int:
+    """The environment processes a run starts by default (common/run.py): one per CPU core, at most 16."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # not on macOS
+    return min(cores, 16)
 
 
 def wait_until_loaded(pool) -> None:
-    """Every process of `pool` (CallProcesses) done loading the tool, so that none still starts while a rollout is
-    timed (on a small machine 32 of them take about half a minute): calls that call no tool, until all are ready."""
-    while not all(process.ready for process in pool.processes):
-        pool.submit(("", None, ("", "", {}), ("tools", [])))
-        pool.collect()
+    """Every process of `pool` (EnvProcesses) done loading the tool, so that none still loads while a rollout is timed:
+    an episode without an environment object (--tools alone) opened on each (an open goes to the least busy process),
+    answered once its process is ready, then finished."""
+    keys = [f"loading/{slot}" for slot in range(len(pool.processes))]
+    for request in [("open", "", {}), ("finish", False)]:
+        tickets = {pool.submit(key, request) for key in keys}
+        while tickets:
+            outcomes = pool.collect()
+            for outcome in outcomes.values():
+                if outcome[0] != "ok":
+                    raise RuntimeError(f"an environment process failed to load the tool: {outcome}")
+            tickets -= outcomes.keys()
 
 
 def rollout(policy, play, batch) -> dict:
@@ -131,9 +121,9 @@ def rollout(policy, play, batch) -> dict:
         turns=turns,
         tool_calls=sum(out["tool_calls"]),
         model_tokens=int(out["response_mask"].sum()),
-        # what today's loop reports of itself (None turn by turn), beside the figures above
-        loop_idle_share=out["engine_idle_share"][0] if "engine_idle_share" in out else None,
-        loop_computed_again=sum(out["computed_again"]) if "computed_again" in out else None,
+        # what the loop reports of itself, beside the figures above
+        loop_idle_share=out["engine_idle_share"][0],
+        loop_computed_again=sum(out["computed_again"]),
     )
 
 
@@ -150,11 +140,12 @@ def summary(rollouts: list[dict]) -> dict:
     )
 
 
-def measure(engine: str, args, model_path: str, train_file: str, turn_by_turn, work: Path) -> list[dict]:
-    """Every setting on `engine`, its worker group, environment processes and prompts built once for all of them;
-    `turn_by_turn`: the loop of commit TURN_BY_TURN."""
-    from common.envs import ENV_CALLS, episode_spec, load_environments, run_episodes
-    from common.isolation import CallProcesses
+def measure(engine: str, args, model_path: str, train_file: str, work: Path) -> list[dict]:
+    """Every setting on `engine`, its worker group, environment processes and prompts built once for all of them."""
+    from common.env_processes import EnvProcesses
+    from common.envs import episode_spec, load_environments
+    from common.episode_play import EpisodeLimits
+    from common.episodes import run_episodes
     from common.run import Run, RunArgs
 
     lengths = dict(max_prompt_length=320, max_response_length=96)  # the demo's (common/demo.py: WARM_START_DEFAULTS)
@@ -179,30 +170,29 @@ def measure(engine: str, args, model_path: str, train_file: str, turn_by_turn, w
     run = Run(run_args)
     policy = run.policy()
     try:
-        episodes = args.prompts * args.samples
         batches = [run.rollouts.next_prompts().repeat(args.samples, interleave=True) for _ in range(1 + args.rollouts)]
         environments = {tool: load_environments(episode_spec(None, [spec])) for tool, spec in TOOLS.items()}
         if len({json.dumps(e.schemas(""), sort_keys=True) for e in environments.values()}) != 1:
             raise RuntimeError("benchmarks/episode_tools.py's multiply has another schema than the built-in's")
-        loops = {"turn by turn": (turn_by_turn, TurnByTurnCalls), "per episode": (run_episodes, lambda calls: calls)}
-        tokens = (run.tokenizer, run.eos_token_ids, args.max_turns, lengths["max_response_length"], SAMPLING)
+        limits = EpisodeLimits(args.max_turns, lengths["max_prompt_length"], lengths["max_response_length"])
         results = []
         for tool, envs in environments.items():
-            # one tool's processes at a time: each holds about 250 MB
-            pool = CallProcesses(envs.spec, args.env_workers or episodes, ENV_CALLS, run_args.reward_timeout)
+            # one tool's processes at a time
+            pool = EnvProcesses(envs.spec, args.env_workers or env_processes(), run_args.reward_timeout)
             try:
                 wait_until_loaded(pool)
-                for name, (loop, calls) in loops.items():
-                    play = lambda group, batch: loop(group, batch, calls(pool), envs, *tokens)  # noqa: B023, E731
-                    started = time.perf_counter()
-                    rollout(policy, play, batches[0])  # warm-up
-                    rollouts = [rollout(policy, play, batch) for batch in batches[1:]]
-                    results.append(dict(engine=engine, tool=tool, loop=name, **summary(rollouts), rollouts=rollouts))
-                    print(
-                        f"{engine}, {tool} tool, {name}: {results[-1]['seconds']:.1f} s per rollout "
-                        f"({time.perf_counter() - started:.0f} s with the warm-up)",
-                        flush=True,
-                    )
+                play = lambda group, batch: run_episodes(  # noqa: B023, E731
+                    group, batch, pool, envs, run.tokenizer, run.eos_token_ids, limits, SAMPLING
+                )
+                started = time.perf_counter()
+                rollout(policy, play, batches[0])  # warm-up
+                rollouts = [rollout(policy, play, batch) for batch in batches[1:]]
+                results.append(dict(engine=engine, tool=tool, **summary(rollouts), rollouts=rollouts))
+                print(
+                    f"{engine}, {tool} tool: {results[-1]['seconds']:.1f} s per rollout "
+                    f"({time.perf_counter() - started:.0f} s with the warm-up)",
+                    flush=True,
+                )
             finally:
                 pool.close()
         return results
@@ -222,7 +212,9 @@ if __name__ == "__main__":
     parser.add_argument("--prompts", type=int, default=8, help="prompts per rollout")
     parser.add_argument("--samples", type=int, default=4, help="episodes per prompt")
     parser.add_argument("--max-turns", type=int, default=3)
-    parser.add_argument("--env-workers", type=int, help="environment processes per tool (default: one per episode)")
+    parser.add_argument(
+        "--env-workers", type=int, help="environment processes per tool (default: a run's, one per CPU core, at most 16)"
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default="bench_episodes.md", help="the table; its JSON goes beside it (.json)")
     args = parser.parse_args()
@@ -234,7 +226,6 @@ if __name__ == "__main__":
 
     for engine in args.engines:  # vLLM installed, before the hf engine's settings are measured
         check_rollout(engine, temperature=1.0, top_p=1.0, top_k=0, lora_sync="auto", offload=False)
-    turn_by_turn = turn_by_turn_loop()  # git and the commit at hand, before any model is built
 
     cpu = machine()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -245,21 +236,22 @@ if __name__ == "__main__":
     work = Path(tempfile.mkdtemp(prefix="bench_episodes_"))
     results = []
     for engine in args.engines:
-        results += measure(engine, args, model_path, train_file, turn_by_turn, work)
+        results += measure(engine, args, model_path, train_file, work)
 
     command = shlex.join(["python", "benchmarks/bench_episodes.py", *sys.argv[1:]])
     lines = [
         f"`{command}` at {commit}, {date}; {cpu}; {args.prompts * args.samples} episodes a rollout ({args.prompts} prompts "
-        f"x {args.samples}), up to {args.max_turns} model turns; means over {args.rollouts} rollouts after a warm-up",
+        f"x {args.samples}), up to {args.max_turns} model turns, {args.env_workers or env_processes()} environment processes; "
+        f"means over {args.rollouts} rollouts after a warm-up",
         "",
-        "| engine | tool | loop | seconds per rollout (fastest-slowest) | engine idle | prefilled again per model turn "
+        "| engine | tool | seconds per rollout (fastest-slowest) | engine idle | prefilled again per model turn "
         "| model turns per episode | tool calls per episode |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         low, high = r["seconds_range"]
         lines.append(
-            f"| {r['engine']} | {r['tool']} | {r['loop']} | {r['seconds']:.1f} ({low:.1f}-{high:.1f}) | {r['idle_share']:.0%} "
+            f"| {r['engine']} | {r['tool']} | {r['seconds']:.1f} ({low:.1f}-{high:.1f}) | {r['idle_share']:.0%} "
             f"| {r['prefilled_again_per_turn']:.0f} | {r['turns_per_episode']:.2f} | {r['tool_calls_per_episode']:.2f} |"
         )
     summary_json = dict(cpu=cpu, commit=commit, date=date, command=command, settings=vars(args), results=results)

@@ -194,11 +194,12 @@ class RunArgs:
     """modules that get an adapter"""
 
     reward_workers: int | None = flag(None, resumable=True)
-    """processes that call the reward function, each on one response at a time, isolated from the run (default: one
-    per CPU core, at most 16); 0 calls it in this process, one response after another (the default with --in-process)"""
+    """processes that call the reward function, each on one response at a time, and processes that keep the episodes'
+    environments (--env, --tools) alive, each holding many, isolated from the run (default: one per CPU core, at most
+    16); 0 calls them in this process, one call after another (the default with --in-process)"""
     reward_timeout: float = flag(10.0, resumable=True)
-    """seconds a reward function may take for one response (an environment for one step) before it is stopped and
-    scores 0 (0: no limit)"""
+    """seconds a reward function may take for one response (an environment for one call: its reset, a turn, its
+    reward and close) before it is stopped and scores 0 (0: no limit)"""
     call_timeout: float = flag(60.0, resumable=True, positive=True)
     """the least seconds the run waits for a worker's answer to a call before it stops, saying the worker stopped
     answering: 5 x the longest wait for the same call, or for a call of its group made before, where that is more;

@@ -52,6 +52,7 @@ episode's calls; the play of episodes is common/episode_play.py, their batch com
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import os
@@ -64,6 +65,11 @@ from common.tools import call_tool, check_tool_template, load_tools, tool_schema
 
 # public methods of an environment that are not tools: its life (reset, close), its turns and its rewards
 NOT_TOOLS = ("reset", "close", "step", "get_reward", "turn_reward")
+
+
+class EnvironmentLost(Exception):
+    """Raised by a tool when what its environment stands on is gone (a server that died): the episode ends with score
+    0, where another exception of a tool answers the model with it."""
 
 
 class Calculator:
@@ -90,12 +96,26 @@ BUILTIN_ENVS = {"calculator": Calculator}
 
 
 def load_env(spec: str):
-    """A built-in environment by name, or the class `ClassName` of `path/to/file.py:ClassName`."""
+    """A built-in environment by name, a game of another library (`gym:ID`, `textarena:ID`: common/envs_gym.py), an MCP
+    server's tools (`mcp:COMMAND`, `mcp:URL`: common/envs_mcp.py), or the class `ClassName` of
+    `path/to/file.py:ClassName`."""
     if spec in BUILTIN_ENVS:
         return BUILTIN_ENVS[spec]
+    library, _, game_id = spec.partition(":")
+    if library in ("gym", "textarena") and game_id:
+        from common.envs_gym import gym_env_class
+
+        return gym_env_class(library, game_id, f"--env '{spec}'")
+    if library == "mcp" and game_id:
+        from common.envs_mcp import mcp_env_class
+
+        return mcp_env_class(game_id, f"--env '{spec}'")
     path, _, name = spec.rpartition(":")
     if not path or not name:
-        raise ValueError(f"--env '{spec}': name a built-in ({', '.join(BUILTIN_ENVS)}) or write path/to/file.py:ClassName")
+        raise ValueError(
+            f"--env '{spec}': name a built-in ({', '.join(BUILTIN_ENVS)}), a game (gym:ID, textarena:ID) or write "
+            "path/to/file.py:ClassName"
+        )
     if not os.path.isfile(path):
         raise ValueError(f"--env '{spec}': no file {path}")
     env_cls = getattr(load_user_file(path), name, None)
@@ -112,7 +132,9 @@ def load_env(spec: str):
 
 
 def tool_methods(env_cls) -> list[str]:
-    """The names of `env_cls`'s methods that are tools: the public ones but NOT_TOOLS."""
+    """The names of `env_cls`'s tools: the public methods but NOT_TOOLS, or those its adapter listed (`tool_schemas`)."""
+    if isinstance(getattr(env_cls, "tool_schemas", None), dict):
+        return list(env_cls.tool_schemas)
     methods = inspect.getmembers(env_cls, inspect.isfunction)
     return [name for name, _ in methods if not name.startswith("_") and name not in NOT_TOOLS]
 
@@ -152,6 +174,8 @@ class Environments:
         if env_cls is None:
             return dict(self.tools)
         env = object.__new__(env_cls) if env is None else env
+        if isinstance(getattr(env_cls, "tool_schemas", None), dict):  # an adapter's: one `call` serves them all
+            return self.tools | {tool: functools.partial(env.call, tool) for tool in env_cls.tool_schemas}
         return self.tools | {method: getattr(env, method) for method in tool_methods(env_cls)}
 
     def schemas(self, name: str) -> dict[str, dict] | None:
@@ -159,8 +183,9 @@ class Environments:
         if self.classes[name] is not None and self.reads_text(name):
             return None
         if name not in self._schemas:
-            tools = self.tools_of(name)
-            self._schemas[name] = {tool: tool_schema(function, f"--env {name}") for tool, function in tools.items()}
+            listed = getattr(self.classes[name], "tool_schemas", None) or {}
+            tools = {tool: function for tool, function in self.tools_of(name).items() if tool not in listed}
+            self._schemas[name] = {tool: tool_schema(function, f"--env {name}") for tool, function in tools.items()} | listed
         return self._schemas[name]
 
     def check(self, tokenizer, eos_token_ids: list[int]) -> dict[str, dict | None]:
@@ -249,7 +274,7 @@ class LiveEpisode:
             self.env.close()
 
     def close_quietly(self) -> str:
-        """close(), after a failure: the traceback of its own failure, if it failed, to add to the first one's."""
+        """close(), never raising: the traceback of its failure, if it failed (after a failure: to add to its)."""
         try:
             self.close()
             return ""
@@ -286,6 +311,8 @@ def act(environments: Environments, name: str, env, action: tuple) -> tuple:
             else:
                 try:
                     reply.append(call_tool(tools[call["name"]], schemas[call["name"]], call["arguments"]))
+                except EnvironmentLost:
+                    raise
                 except Exception as error:
                     reply.append((f"error: {type(error).__name__}: {error}", True))
                     raised = raised or traceback.format_exc()

@@ -93,7 +93,7 @@ class Run:
             val_data = train_data
             if args.val_files:
                 val_data = load_prompts(args.val_files, self.tokenizer, args.max_prompt_length, overlong, envs)
-            self.scorer.check_prompts(train_data, val_data)
+            self.scorer.check_prompts(train_data, val_data, environments)
             self.val_name = "held-out accuracy" if args.val_files else "accuracy on the training prompts (no --val-files)"
         batch_size = prompts_per_batch or args.train_batch_size
         if batch_size > len(train_data):

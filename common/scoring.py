@@ -32,16 +32,20 @@ class Scorer:
         # what start() starts: the rule's calls, the model's group, and its own accelerators (--reward-model-workers)
         self.rewards, self.reward_model, self.judge, self.pool = None, None, None, None
 
-    def check_prompts(self, train_data, val_data) -> None:
-        """Fail before any worker starts on a data source that no rule scores (unless a model scores every row), or on
-        a judge's question longer than --judge-max-prompt-length."""
+    def check_prompts(self, train_data, val_data, environments=None) -> None:
+        """Fail before any worker starts on a data source that no rule scores (unless a model scores every row, or the
+        row's environment, of `environments`, scores its episodes with get_reward), or on a judge's question longer
+        than --judge-max-prompt-length."""
+        from common.dataproto import DataProto
         from common.rewards import check_data_sources
 
         args = self.args
         if not self.by_model:  # else rows without a rule are the model's alone
-            check_data_sources(train_data, self.reward_fn)
-            if val_data is not train_data:
-                check_data_sources(val_data, self.reward_fn)
+            for data in (train_data,) if val_data is train_data else (train_data, val_data):
+                if environments is not None and "env" in data:
+                    sources = [s for s, name in zip(data["data_source"], data["env"]) if not environments.scores(name)]
+                    data = DataProto.from_dict(non_tensors={"data_source": sources})
+                check_data_sources(data, self.reward_fn)
         if args.judge_model is not None:
             from common.judge import check_question_length
 
