@@ -60,7 +60,7 @@ import re
 import shlex
 import traceback
 
-from common.isolation import load_user_file
+from common.isolation import import_function, load_user_file
 from common.tools import call_tool, check_tool_template, load_tools, tool_schema
 
 # public methods of an environment that are not tools: its life (reset, close), its turns and its rewards
@@ -92,7 +92,8 @@ class Calculator:
             return "error;"
 
 
-BUILTIN_ENVS = {"calculator": Calculator}
+# the built-in environments, by name: the calculator, and a Python interpreter whose variables live for the episode
+BUILTIN_ENVS = {"calculator": "common.envs:Calculator", "python": "common.python_env:PythonInterpreter"}
 
 
 def load_env(spec: str):
@@ -100,7 +101,7 @@ def load_env(spec: str):
     server's tools (`mcp:COMMAND`, `mcp:URL`: common/envs_mcp.py), or the class `ClassName` of
     `path/to/file.py:ClassName`."""
     if spec in BUILTIN_ENVS:
-        return BUILTIN_ENVS[spec]
+        return import_function(BUILTIN_ENVS[spec])
     library, _, game_id = spec.partition(":")
     if library in ("gym", "textarena") and game_id:
         from common.envs_gym import gym_env_class
