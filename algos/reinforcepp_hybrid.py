@@ -183,7 +183,7 @@ if __name__ == "__main__":
     from common.rollout_correction import rejection_mask, rollout_diagnostics, update_figures
     from common.run import Run
     from common.tracking import timer
-    from common.workers.policy import LOG_PROB_INPUTS
+    from common.workers import LOG_PROB_INPUTS
 
     args = tyro.cli(Args)
     if args.model_path is None or not args.train_files:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import tyro
 
 from common.pretrained import cache_root, resolve
-from common.workers.policy import PolicyWorker
+from common.workers import PolicyWorker
 
 RANDOM_MODELS = {
     "qwen2.5-1.5b-shape": {

@@ -34,7 +34,7 @@ from common.dataproto import DataProto  # noqa: E402
 from common.worker_group import init_ray  # noqa: E402
 from common.weight_sync import engine_adapter  # noqa: E402
 from common.worker_group import ResourcePool, WorkerGroup  # noqa: E402
-from common.workers.policy import PolicyWorker  # noqa: E402
+from common.workers import PolicyWorker  # noqa: E402
 
 VOCAB = 32000
 
@@ -77,8 +77,8 @@ class TimedPolicy(PolicyWorker):
     def timed_generate(self, data: DataProto, **sampling) -> tuple[float, float, int]:
         """Seconds of weight sync, then of generation, and the tokens generated, of one rollout as a step runs it."""
         start = time.perf_counter()
-        if hasattr(self.rollout, "sync_weights"):
-            self.rollout.sync_weights()
+        if hasattr(self.engine, "sync_weights"):
+            self.engine.sync_weights()
         synced = time.perf_counter()
         output = self.generate(data, **sampling)
         return synced - start, time.perf_counter() - synced, int(output["response_mask"].sum())
@@ -91,7 +91,7 @@ class TimedPolicy(PolicyWorker):
             else sum(p.numel() for p in self.model.parameters())
         )
         start = time.perf_counter()
-        self.rollout.sync_weights()
+        self.engine.sync_weights()
         return time.perf_counter() - start, sent
 
 

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.worker_group import start_local_ray  # noqa: E402
 from common.worker_group import ResourcePool, WorkerGroup, wait_all  # noqa: E402
-from common.workers.policy import PolicyWorker  # noqa: E402
-from common.workers.rollout import RolloutWorker  # noqa: E402
+from common.workers import PolicyWorker  # noqa: E402
+from common.workers import RolloutWorker  # noqa: E402
 
 PROBE = [2, 3]  # the probe scored after each sync: as short as it gets, since it is not what is timed
 

@@ -255,7 +255,7 @@ def check_args(args: RunArgs) -> None:
     from common.data import check_batch_sizes
     from common.engines import check_engine
     from common.rewards import reward_weights
-    from common.rollout import check_rollout
+    from common.engines import check_rollout
     from common.rollout_correction import check_rollout_correction
 
     for field in dataclasses.fields(args):

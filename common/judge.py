@@ -108,7 +108,7 @@ def probability_verdicts(log_probs: torch.Tensor, top_tokens: torch.Tensor, verd
 
 
 class Judge:
-    """The judge's worker group (common/workers/judge.py) and what it needs to turn responses into scores."""
+    """The judge's worker group (common/workers.py) and what it needs to turn responses into scores."""
 
     def __init__(self, group, tokenizer, template: str, mode: str, max_tokens: int, max_prompt_length: int, model: str):
         self.group, self.tokenizer, self.template, self.mode = group, tokenizer, template, mode

@@ -3,7 +3,7 @@
 The reward model reads each conversation as its own chat template renders it, in its own tokens: the prompt's
 messages, then the response as the assistant's message. A reward model trained with another template or tokenizer
 than the policy's still sees what it was trained on (verl re-renders so too, when the tokenizers differ). Its
-score is its head's output at the rendered conversation's last token (common/workers/reward_model.py).
+score is its head's output at the rendered conversation's last token (common/workers.py).
 
 The rule, one for every script: a row whose data source has a rule (a built-in reward, or --reward-fn for every
 row) scores rule + --reward-model-coef x the model's score; a row without one scores the model's alone.

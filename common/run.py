@@ -42,7 +42,7 @@ class Run:
         import torch
 
         from common.console import start_console
-        from common.rollout import eos_token_ids
+        from common.engines import eos_token_ids
         from common.sequence_parallel import check_heads
 
         # Everything that can be wrong with the input fails here, before any worker starts.
@@ -207,7 +207,7 @@ class Run:
     def policy(self, **settings):
         """The hybrid engine's group: the policy that trains, generates (unless --rollout-workers do), and (with LoRA)
         scores the reference."""
-        from common.workers.policy import PolicyWorker
+        from common.workers import PolicyWorker
 
         if self.supervised:  # no engine; the log-probs of the data at temperature 1
             rollout = dict(rollout_engine=None, temperature=1.0, use_reference=False)

@@ -67,8 +67,8 @@ class Scorer:
     def _start_model(self, pool) -> None:
         from common.judge import Judge
         from common.worker_group import ResourcePool, WorkerGroup
-        from common.workers.judge import JudgeWorker
-        from common.workers.reward_model import RewardModelWorker
+        from common.workers import JudgeWorker
+        from common.workers import RewardModelWorker
 
         args = self.args
         if args.reward_model_workers:

@@ -6,7 +6,7 @@ mode makes the engine join the torch.distributed group the worker already formed
 then is an independent replica. On a GPU the engine sleeps while the policy trains: before each generation it wakes its
 weights, receives the policy's (all of them, or just the LoRA adapter), then wakes its KV cache; after generation it
 sleeps again. vLLM's CPU backend has no sleep mode, so there the engine stays awake: its copy of the weights and its KV
-cache stay in memory while the policy trains. Without a policy (a rollout worker's, common/workers/rollout.py) it
+cache stay in memory while the policy trains. Without a policy (a rollout worker's, common/workers.py) it
 generates from the weights last sent to it.
 """
 
@@ -41,7 +41,7 @@ def write_adapter(path: str, tensors: dict[str, torch.Tensor], peft_config) -> N
 
 def serves_adapter(lora: bool, lora_sync: str, on_gpu: bool) -> bool:
     """Whether a vLLM engine serves the policy's LoRA adapter (sent alone after each update) rather than receiving
-    every weight with the adapter merged in: `lora_sync` says, "auto" merging on CPUs (see VLLMRollout)."""
+    every weight with the adapter merged in: `lora_sync` says, "auto" merging on CPUs (see VLLMEngine)."""
     return lora and (lora_sync == "adapter" or (lora_sync == "auto" and on_gpu))
 
 
@@ -85,7 +85,7 @@ def reload_weights(worker, weights) -> list[str]:
     return sorted(expected - loaded)
 
 
-class VLLMRollout:
+class VLLMEngine:
     """A vLLM engine that generates from `policy` (FSDP2-sharded, LoRA or not) as it is at each call; without a policy
     (a rollout worker's, in a process of its own), from the weights last loaded into it."""
 

@@ -33,8 +33,8 @@ from common.layouts import response_outputs, rows_of
 from common.log_probs import response_log_probs
 from common.memory import measured
 from common.rewards import response_texts, score_texts
-from common.workers.critic import CriticWorker
-from common.workers.policy import PolicyWorker
+from common.workers import CriticWorker
+from common.workers import PolicyWorker
 
 # The probes travel to the workers by value: the workers have no tests folder to import them from.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -9,14 +9,14 @@ from ray import cloudpickle
 
 from common import engines
 from common.engines import EngineContext, check_engine, register_engine
-from common.hf_engine import HFRollout
+from common.hf_engine import HFEngine
 from common.worker_group import WorkerGroup
 from helpers import PolicyProbe
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the engine and its worker travel by value
 
 
-class RecordingEngine(HFRollout):
+class RecordingEngine(HFEngine):
     """The hf engine, recording each batch it is asked for and what it returned."""
 
     def __init__(self, context: EngineContext):
@@ -35,7 +35,7 @@ class RecordingPolicy(PolicyProbe):
         super().setup(master, model_path, **settings)
 
     def engine_calls(self) -> list:
-        return self.rollout.calls
+        return self.engine.calls
 
 
 @pytest.fixture

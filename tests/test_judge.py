@@ -14,7 +14,7 @@ from common.dataproto import DataProto
 from common.judge import Judge, load_template, parse_verdict, probability_verdicts, question, question_ids, verdict_token_ids
 from common.rollout import response_batch
 from common.worker_group import WorkerGroup
-from common.workers.judge import JudgeWorker
+from common.workers import JudgeWorker
 
 TEMPLATE_FILE = str(Path(__file__).resolve().parents[1] / "examples" / "judge" / "correct_answer.txt")  # docs/rewards.md's
 TEMPLATE = load_template(TEMPLATE_FILE)

@@ -1,4 +1,4 @@
-"""common/rollout.py's hf engine: a prompt its samples share is computed once and generates as a full pass does; each
+"""common/hf_engine.py: a prompt its samples share is computed once and generates as a full pass does; each
 token is drawn at its probability."""
 
 import torch
@@ -6,7 +6,7 @@ from transformers import GenerationConfig, LogitsProcessorList
 
 from common.data import collate
 from common.dataproto import DataProto
-from common.hf_engine import HFRollout, InverseCDFSample, SampledLogProbs, shared_prompt_cache
+from common.hf_engine import HFEngine, InverseCDFSample, SampledLogProbs, shared_prompt_cache
 from helpers import local_model
 
 
@@ -21,7 +21,7 @@ def test_a_prompt_shared_by_its_samples_runs_once_and_generates_the_tokens_of_a_
     hook = model.register_forward_pre_hook(
         lambda module, args, kwargs: shapes.append(kwargs["input_ids"].shape), with_kwargs=True
     )
-    rollout = HFRollout(model, tokenizer, [tokenizer.eos_token_id], pad)
+    rollout = HFEngine(model, tokenizer, [tokenizer.eos_token_id], pad)
     responses, log_probs = rollout.generate(prompts, mask, 8, do_sample=False, temperature=1.0, top_p=1.0, top_k=0)
     hook.remove()
     assert shapes[0] == (3, width - 1)  # every prompt token but the last, once per distinct prompt
@@ -64,7 +64,7 @@ def test_an_episodes_next_turn_starts_from_its_kept_keys_and_values_and_generate
             engine.add_request(key, context, 6, **greedy)
         return {key: rest for key, *rest in engine.finished_requests()}
 
-    engine = HFRollout(model, tokenizer, eos, pad)
+    engine = HFEngine(model, tokenizer, eos, pad)
     engine.open_requests()
     first = turns(engine, {f"play/{i}": prompt for i, prompt in enumerate(prompts)})
     answers = [tokenizer(text, add_special_tokens=False).input_ids for text in ["=46;", "56;", "=101;"]]
@@ -79,7 +79,7 @@ def test_an_episodes_next_turn_starts_from_its_kept_keys_and_values_and_generate
     assert [second[f"play/{i}"][2] for i in range(2)] == [len(answers[i]) + 1 for i in range(2)]
     assert second["play/2"][2] <= len(answers[2]) + kept[2]
 
-    fresh = HFRollout(model, tokenizer, eos, pad)  # nothing kept: every context computed whole
+    fresh = HFEngine(model, tokenizer, eos, pad)  # nothing kept: every context computed whole
     fresh.open_requests()
     whole = turns(fresh, second_contexts)
     assert [whole[key][2] for key in second_contexts] == [len(context) for context in second_contexts.values()]
@@ -90,7 +90,7 @@ def test_an_episodes_next_turn_starts_from_its_kept_keys_and_values_and_generate
     engine.close_requests("play/", last=True)
     assert engine.held == {}
 
-    tight = HFRollout(model, tokenizer, eos, pad)  # no memory to keep anything in: each turn computes its whole context
+    tight = HFEngine(model, tokenizer, eos, pad)  # no memory to keep anything in: each turn computes its whole context
     tight.open_requests()
     tight.held_budget = 0
     turns(tight, {f"play/{i}": prompt for i, prompt in enumerate(prompts)})

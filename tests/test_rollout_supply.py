@@ -9,7 +9,7 @@ from common.args import RunArgs
 from common.data import PromptLoader, load_prompts
 from common.rollout_supply import RolloutSupply
 from common.worker_group import WorkerGroup
-from common.workers.policy import PolicyWorker
+from common.workers import PolicyWorker
 
 
 def supply_of(demo_files, tokenizer, **changes) -> RolloutSupply:

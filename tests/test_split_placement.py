@@ -19,7 +19,7 @@ from common.checkpoint import complete_checkpoints
 from common.rollout_correction import check_probe
 from common.weight_sync import engine_weights, send_tensors
 from common.worker_group import ResourcePool, WorkerGroup, wait_all
-from common.workers.rollout import RolloutWorker
+from common.workers import RolloutWorker
 from helpers import (
     FP32_GAP,
     LOG_PROB_INPUTS,
@@ -134,7 +134,7 @@ class BucketedPolicy(PolicyProbe):
 
 class InspectedEngine(RolloutWorker):
     def weights(self) -> dict:
-        return {name: param.detach().clone() for name, param in self.rollout.policy.named_parameters(remove_duplicate=False)}
+        return {name: param.detach().clone() for name, param in self.engine.policy.named_parameters(remove_duplicate=False)}
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full-weights", "lora-merged"])

@@ -52,18 +52,18 @@ class EngineProbe(PolicyProbe):
                     local.copy_(0.3 * torch.randn(local.shape, generator=generator))
 
     def served_adapters(self) -> tuple[int, list[str]]:
-        return self.rollout.lora_request.lora_int_id, sorted(os.listdir(self.rollout.adapter_dir))
+        return self.engine.lora_request.lora_int_id, sorted(os.listdir(self.engine.adapter_dir))
 
     def sync_without(self, dropped: str) -> None:
-        self.rollout.load_weights((name, tensor) for name, tensor in engine_weights(self.model) if name != dropped)
+        self.engine.load_weights((name, tensor) for name, tensor in engine_weights(self.model) if name != dropped)
 
     def generate_without_sync(self, data, **sampling):
         """Generate from whatever weights the engine holds, as a broken sync would leave it."""
-        self.rollout.sync_weights = lambda: None
+        self.engine.sync_weights = lambda: None
         try:
             return self.generate(data, **sampling)
         finally:
-            del self.rollout.sync_weights
+            del self.engine.sync_weights
 
 
 def vllm_policy(pool, model_path, name, rollout_dtype="float32", **settings):

@@ -13,7 +13,7 @@ import dapo_hybrid
 import grpo_hybrid
 from common.data import load_prompts
 from common.fsdp_worker import lr_factor
-from common.rollout import check_rollout
+from common.engines import check_rollout
 from common.worker_group import WorkerGroup
 from helpers import LOG_PROB_INPUTS, PolicyProbe, assert_same_adamw_steps, local_log_probs, local_model
 

@@ -20,7 +20,7 @@ from ray import cloudpickle  # noqa: E402
 import grpo_hybrid  # noqa: E402
 from common.data import collate, load_prompts  # noqa: E402
 from common.worker_group import ResourcePool, WorkerGroup  # noqa: E402
-from common.workers.policy import PolicyWorker  # noqa: E402
+from common.workers import PolicyWorker  # noqa: E402
 
 cloudpickle.register_pickle_by_value(grpo_hybrid)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -34,10 +34,10 @@ class MemoryProbe(PolicyWorker):
     def free_memory_asleep_and_awake(self) -> tuple[int, int]:
         torch.cuda.synchronize()
         asleep = torch.cuda.mem_get_info()[0]
-        self.rollout.llm.wake_up()  # its weights and its KV cache
+        self.engine.llm.wake_up()  # its weights and its KV cache
         torch.cuda.synchronize()
         awake = torch.cuda.mem_get_info()[0]
-        self.rollout.llm.sleep(level=self.rollout.sleep_level)
+        self.engine.llm.sleep(level=self.engine.sleep_level)
         return asleep, awake
 
 

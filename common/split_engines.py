@@ -1,6 +1,6 @@
 """Rollout engines apart from the policy (split placement, --rollout-workers), and what they were asked, in order.
 
-The engines (`RolloutWorker`, common/workers/rollout.py) run each call in the order it was made, so a queue of those calls on
+The engines (`RolloutWorker`, common/workers.py) run each call in the order it was made, so a queue of those calls on
 the driver mirrors theirs: new weights (the policy's rank 0 sends them from a copy, in a thread, see
 PolicyWorker.send_weights) and batches to generate. A batch asked after some weights is generated from them, and
 tagged with their version. After each weight sync every engine scores a probe that the trainer scored with the same
@@ -20,8 +20,8 @@ from common.memory import record_peak_memory
 from common.rollout import response_batch
 from common.rollout_correction import check_probe
 from common.worker_group import Pending, ResourcePool, WorkerGroup, wait_all
-from common.workers.policy import LOG_PROB_INPUTS
-from common.workers.rollout import RolloutWorker
+from common.workers import LOG_PROB_INPUTS
+from common.workers import RolloutWorker
 
 
 class SplitEngines:
