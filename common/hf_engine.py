@@ -49,6 +49,7 @@ class HFEngine:
             pad_token_id=self.pad_token_id,
             stop_strings=sampling["stop_strings"] or None,
             do_sample=False,  # generate's greedy pick takes the one token InverseCDFSample leaves possible
+            use_cache=True,  # whatever the model's folder says (a folder saved for training may say false)
             return_dict_in_generate=True,
         )
         do_sample, temperature, top_p, top_k = (sampling[key] for key in ("do_sample", "temperature", "top_p", "top_k"))

@@ -96,3 +96,28 @@ def test_an_episodes_next_turn_starts_from_its_kept_keys_and_values_and_generate
     turns(tight, {f"play/{i}": prompt for i, prompt in enumerate(prompts)})
     assert tight.held == {}
     assert [turn[2] for turn in turns(tight, second_contexts).values()] == [len(c) for c in second_contexts.values()]
+
+
+def test_a_model_saved_without_its_cache_generates_with_it_whatever_its_folder_says(tiny_model, tokenizer, tmp_path):
+    """A folder saved for training elsewhere (TRL writes `use_cache: false` into config.json) generates one new token
+    a forward after the prompt, as an export of this project does, and the same tokens."""
+    import json
+    import shutil
+
+    folder = tmp_path / "trained_elsewhere"
+    shutil.copytree(tiny_model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"use_cache": False}))
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    prompts = collate(DataProto.from_dict(non_tensors={"prompt_ids": [tokenizer("12+34=").input_ids]}), 0)
+    greedy = dict(do_sample=False, temperature=1.0, top_p=1.0, top_k=0)
+    responses = []
+    for path in (tiny_model, folder):
+        model = local_model(path).eval()
+        widths = []
+        width = lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1])  # noqa: E731
+        model.register_forward_pre_hook(width, with_kwargs=True)
+        engine = HFEngine(model, tokenizer, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+        responses.append(engine.generate(prompts["prompts"], prompts["prompt_mask"], 8, **greedy)[0])
+        assert len(widths) > 1 and widths[1:] == [1] * (len(widths) - 1), (path, widths)  # then the new token alone
+    assert torch.equal(responses[0], responses[1])
