@@ -22,12 +22,10 @@ class RolloutEngine(Protocol):
     dtype: torch.dtype
     """the dtype the engine keeps its weights in, which the policy sends them in"""
 
-    def generate(
-        self, prompts, prompt_mask, max_response_length: int, do_sample: bool, temperature: float, top_p: float,
-        top_k: int, stop_strings: list[str] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def generate(self, prompts, prompt_mask, max_response_length: int, **sampling) -> tuple[torch.Tensor, torch.Tensor]:
         """One response per left-padded prompt ([batch, steps] tokens, padded after the end) and the log-prob of each
-        sampled token under the distribution it was sampled from ([batch, steps])."""
+        sampled token under the distribution it was sampled from ([batch, steps]). `sampling`: do_sample, temperature,
+        top_p, top_k and stop_strings (a list, or None)."""
 
     prefilled_tokens: int
     """the context tokens the engine computed so far (those its caches did not hold), which the logs count"""

@@ -132,13 +132,8 @@ class FSDPWorker(Worker):
             torch.cuda.set_device(self.device)
             if self.compute_dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
                 raise ValueError(f"{torch.cuda.get_device_name()} has no bf16: pass --compute-dtype float32")
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        addr, port = master
         if not dist.is_initialized():
-            dist.init_process_group(
-                backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world_size,
-                timeout=self.collective_timeout,
-            )  # fmt: skip
+            self.join_process_group(master)
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))  # FSDP shards over every rank
         self.attention = attention_implementation(self.device, self.compute_dtype)
         if self.attention == VARLEN:

@@ -283,8 +283,9 @@ LAYOUT_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.05}
 
 
 @torch.no_grad()
-def packing_gap(model, packing: Layout, language_model: bool, dtype: torch.dtype, sequence_group=None,
-                flex_from: int | None = None) -> str | None:  # fmt: skip
+def packing_gap(
+    model, packing: Layout, language_model: bool, dtype: torch.dtype, sequence_group=None, flex_from: int | None = None
+) -> str | None:
     """Why `packing` does not stand in for padded micro-batches with `model` (computing in `dtype`), or None where it
     does. Three made-up sequences share packed rows, two of them a prompt. Compared, at LAYOUT_TOLERANCE[dtype]: the
     outputs a run uses (a language model's log-prob of each sequence's own next token, a critic's value), packed and

@@ -47,6 +47,7 @@ class RolloutSupply:
         """Generate from `policy`: itself, or --rollout-workers engines apart from it (common/split_engines.py), on
         accelerators of their own of `pool`'s kind, that get their first weights at the first generate.
         `probe_prompts`: rows of load_prompts, the first of which makes the weight probe."""
+        from common.data import pad_token_id
         from common.engines import engine_serves_adapter
         from common.split_engines import SplitEngines, probe
 
@@ -54,12 +55,12 @@ class RolloutSupply:
         self.policy = policy
         if not args.rollout_workers:
             return
-        lora, on_gpu = args.lora_rank > 0, pool.use_gpu
+        lora, on_gpu, pad = args.lora_rank > 0, pool.use_gpu, pad_token_id(self.tokenizer, self.eos_token_ids)
         self.engines = SplitEngines(
             policy,
             args.rollout_workers,
             on_gpu,
-            probe(probe_prompts, self.eos_token_ids, self.tokenizer.pad_token_id, args.max_response_length),
+            probe(probe_prompts, self.eos_token_ids, pad, args.max_response_length),
             args.max_rollout_logprob_diff,
             engine_serves_adapter(args.rollout_engine, lora, args.lora_sync, on_gpu),
             **self._engine_settings(),

@@ -69,13 +69,13 @@ class Run:
         """The train and validation loaders (prompts, or a supervised run's transcripts; batches of `prompts_per_batch`,
         default --train-batch-size) and the scorer that checks the prompts' data sources; --total-epochs turns into
         steps here. Returns the environments of --env/--tools."""
-        from common.data import PromptLoader, load_prompts
+        from common.data import PromptLoader, load_prompts, pad_token_id
         from common.envs import episode_spec, load_environments
         from common.scoring import Scorer
         from common.transcripts import TranscriptLoader, load_transcripts
 
         args, environments = self.args, None
-        pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        pad = pad_token_id(self.tokenizer, self.eos_token_ids)
         loader = TranscriptLoader if self.supervised else PromptLoader
         if self.supervised:
             self.scorer, lengths = None, (args.max_prompt_length, args.max_response_length)
@@ -102,12 +102,12 @@ class Run:
                 f"{flag} is {batch_size} prompts, more than the {len(train_data)} in --train-files "
                 f"{' '.join(args.train_files)}: lower it, or add prompts"
             )
-        self.train_loader = loader(train_data, batch_size, pad_token_id, shuffle=True, seed=args.seed)
+        self.train_loader = loader(train_data, batch_size, pad, shuffle=True, seed=args.seed)
         epoch_steps = None if args.total_epochs is None else args.total_epochs * len(self.train_loader)
         if epoch_steps is not None and epoch_steps < args.total_steps:  # whichever comes first
             print(f"--total-epochs {args.total_epochs} of {len(self.train_loader)} batches each: {epoch_steps} steps")
             self.args = dataclasses.replace(args, total_steps=epoch_steps)
-        self.val_loader = loader(val_data, args.val_batch_size, pad_token_id, shuffle=False, drop_last=False)
+        self.val_loader = loader(val_data, args.val_batch_size, pad, shuffle=False, drop_last=False)
         return environments
 
     def _tracker(self):

@@ -132,6 +132,7 @@ class Scorer:
         common/reward_model.py combines them, the model's under `model` (`judge`) and the rule's under `rule`."""
         import numpy as np
 
+        from common.data import pad_token_id
         from common.reward_model import combine, render_conversations, reward_model_batch
         from common.rewards import has_rule, score_texts
 
@@ -153,8 +154,7 @@ class Scorer:
         else:
             key, tokenizer = "model", self.reward_model_tokenizer
             conversations = render_conversations(batch["prompt_messages"], texts, tokenizer)
-            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
-            rm_batch = reward_model_batch(conversations, pad)
+            rm_batch = reward_model_batch(conversations, pad_token_id(tokenizer))
             model_scores = self.reward_model.scatter("compute_rm_score", rm_batch)["rm_scores"].tolist()
         extras = [{key: score} for score in model_scores]
         for i, rule, extra in zip(ruled, rule_scores, rule_extras):

@@ -32,8 +32,9 @@ class SplitEngines:
     serve the policy's LoRA adapter, sent alone, rather than receiving every weight.
     """
 
-    def __init__(self, policy, count: int, use_gpu: bool, probe: DataProto, logprob_bound: float, sends_adapter: bool,
-                 **engine_settings):  # fmt: skip
+    def __init__(
+        self, policy, count: int, use_gpu: bool, probe: DataProto, logprob_bound: float, sends_adapter: bool, **engine_settings
+    ):
         self.policy, self.probe, self.logprob_bound, self.sends_adapter = policy, probe, logprob_bound, sends_adapter
         self.pool = ResourcePool(count, use_gpu, call_timeout=engine_settings["call_timeout"])
         adapter_config = policy.broadcast("adapter_config")[0] if sends_adapter else None
@@ -144,14 +145,13 @@ class Answered:
         return self.value
 
 
-def probe(prompts, eos_token_ids: list[int], pad_token_id: int | None, max_response_length: int) -> DataProto:
+def probe(prompts, eos_token_ids: list[int], pad_token_id: int, max_response_length: int) -> DataProto:
     """The sequence that the trainer and every engine score after each weight sync: the first of `prompts` (rows of
     load_prompts), answered with its own tokens (any tokens do, but an EOS, which would end the answer)."""
     first = collate(prompts[np.array([0])], 0)
     prompt = first["prompts"][first["prompt_mask"].bool()]
     answer = prompt[~torch.isin(prompt, torch.tensor(eos_token_ids))][-max_response_length:]
-    pad = pad_token_id if pad_token_id is not None else eos_token_ids[0]
     log_probs = torch.zeros(1, len(answer))
     return response_batch(
-        first["prompts"], first["prompt_mask"], answer[None], log_probs, max_response_length, eos_token_ids, pad
+        first["prompts"], first["prompt_mask"], answer[None], log_probs, max_response_length, eos_token_ids, pad_token_id
     )

@@ -16,9 +16,9 @@ from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from common import weight_sync
+from common.data import pad_token_id
 from common.dataproto import DataProto
 from common.engines import EngineContext, eos_token_ids, make_engine
 from common.fsdp_worker import FSDPWorker, compute_dtype_for, lora_model
@@ -98,9 +98,8 @@ class EngineWorker(Worker):
 
     @torch.no_grad()
     def turns(
-        self, play: str, requests: list[tuple[str, list[int], int]], do_sample: bool = True, top_p: float = 1.0,
-        top_k: int = 0, stop_strings: list[str] | None = None,
-    ) -> list[tuple[str, list[int], list[float], int | None, int]]:  # fmt: skip
+        self, play: str, requests: list, do_sample: bool = True, top_p: float = 1.0, top_k: int = 0, stop_strings=None
+    ) -> list[tuple[str, list[int], list[float], int | None, int]]:
         """Start `requests` (an episode's key, prefixed by its `play`'s; the tokens of its context; the most tokens to
         generate) beside the turns under way, and return the turns of `play` that ended since the last call, after
         the engine's next steps if none had: each one's key, tokens (to its EOS or stop string), their log-probs, the
@@ -188,7 +187,7 @@ class PolicyWorker(FSDPWorker, EngineWorker):
         if use_reference and not self.lora:
             self.reference = self._shard(self._load(model_path).requires_grad_(False).eval(), offload=True)
         self.eos_token_ids = eos_token_ids(model_path, self.tokenizer)
-        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        self.pad_token_id = pad_token_id(self.tokenizer, self.eos_token_ids)
         # FSDP2 initialises lazily on the root's first forward; generate needs that done.
         with torch.no_grad():
             self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device))
@@ -483,17 +482,12 @@ class RolloutWorker(EngineWorker):
 
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        addr, port = master
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world_size,
-            timeout=self.collective_timeout,
-        )  # fmt: skip
+        self.join_process_group(master)
         torch.manual_seed(seed + self.rank)
         self.temperature, self.adapter_config = temperature, adapter_config
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.eos_token_ids = eos_token_ids(model_path, tokenizer)
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        self.pad_token_id = pad_token_id(tokenizer, self.eos_token_ids)
         context = EngineContext(
             None,
             None,
