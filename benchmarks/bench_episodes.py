@@ -230,10 +230,11 @@ if __name__ == "__main__":
         parser.error("--rollouts, --prompts, --samples, --max-turns and --env-workers count from 1")
 
     from common import demo
-    from common.engines import check_rollout
+    from common.engine_registry import check_rollout
+    from common.engines import EngineSettings
 
     for engine in args.engines:  # vLLM installed, before the hf engine's settings are measured
-        check_rollout(engine, temperature=1.0, top_p=1.0, top_k=0, lora_sync="auto", offload=False)
+        check_rollout(EngineSettings(name=engine))
     turn_by_turn = turn_by_turn_loop()  # git and the commit at hand, before any model is built
 
     cpu = machine()

@@ -100,7 +100,8 @@ class RunArgs:
     stops in this terminal (--num-workers is then 1)"""
     rollout_engine: str = "hf"
     """what generates rollouts: `hf`, transformers' generate on the policy itself; `vllm`, a vLLM engine in its process;
-    or any engine registered with common.engines.register_engine (docs/rollout-engines.md)"""
+    an engine registered with common.engine_registry.register_engine; or `path/to/file.py:NAME`, the engine NAME
+    builds in a file of yours (docs/rollout-engines.md)"""
     rollout_workers: int = flag(0, resumable=True)
     """0: the policy's own processes generate (the hybrid engine); N: N processes apart from the policy's, one
     --rollout-engine each, to which the policy sends its weights after each update (split placement, docs/async.md)"""
@@ -253,9 +254,8 @@ def check_args(args: RunArgs) -> None:
     """Every rule the shared flags keep with each other, checked before anything is loaded: a ValueError that names
     the flag and the rule it breaks. (What needs a file read, the data or the cluster is checked where it is read.)"""
     from common.data import check_batch_sizes
-    from common.engines import check_engine
+    from common.engine_registry import check_engine, check_rollout
     from common.rewards import reward_weights
-    from common.engines import check_rollout
     from common.rollout_correction import check_rollout_correction
 
     for field in dataclasses.fields(args):
@@ -270,7 +270,7 @@ def check_args(args: RunArgs) -> None:
         )
     check_batch_sizes(args.train_batch_size, args.mini_batch_size, args.n, num_workers, args.sequence_parallel)
     check_engine(args.rollout_engine)
-    check_rollout(args.rollout_engine, args.temperature, args.top_p, args.top_k, args.lora_sync, args.offload)
+    check_rollout(engine_settings(args))
     check_torchvision()
     check_rollout_correction(args)
     longest = args.max_prompt_length + args.max_response_length
@@ -349,6 +349,32 @@ def resolve_args(args: RunArgs) -> RunArgs:
     num_workers = args.num_workers if args.in_process else workers_here(args.num_workers)
     models = {name: resolve(getattr(args, name)) for name in ("model_path", "reward_model", "judge_model")}
     return dataclasses.replace(args, num_workers=num_workers, **models)
+
+
+def engine_settings(args: RunArgs):
+    """How the run's rollout engines generate (common/engines.py: EngineSettings), decided once from the flags: an
+    engine in a file named by its absolute path (the workers start elsewhere), the longest context the prompt and
+    response lengths make."""
+    from common.engine_registry import in_a_file
+    from common.engines import EngineSettings
+
+    name = args.rollout_engine
+    if in_a_file(name):
+        path, _, factory = name.rpartition(":")
+        name = f"{os.path.abspath(path)}:{factory}"
+    return EngineSettings(
+        name=name,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_model_len=args.max_prompt_length + args.max_response_length,
+        dtype=args.rollout_dtype,
+        compute_dtype=args.compute_dtype,
+        gpu_memory_utilization=args.rollout_gpu_memory_utilization,
+        lora_sync=args.lora_sync,
+        offload=args.offload,
+        seed=args.seed,
+    )
 
 
 def worker_micro_batch_tokens(args: RunArgs, fits_budget: bool) -> int:

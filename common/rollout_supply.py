@@ -18,11 +18,12 @@ class RolloutSupply:
     `reward_workers` isolated processes (0: in this process), as the rewards do.
     """
 
-    def __init__(self, args, tokenizer, eos_token_ids: list[int], train_loader, environments, reward_workers: int):
+    def __init__(self, args, engine, tokenizer, eos_token_ids: list[int], train_loader, environments, reward_workers: int):
         from common.envs import ENV_CALLS
         from common.isolation import CallProcesses, InProcessCalls
 
         self.args, self.tokenizer, self.eos_token_ids, self.environments = args, tokenizer, eos_token_ids, environments
+        self.engine = engine  # how the engines generate (EngineSettings), in the policy's processes or apart
         self.train_loader, self.train_batches = train_loader, train_loader.forever()
         self.env_calls, self.reward_workers = None, reward_workers
         if environments is not None and reward_workers:
@@ -35,20 +36,16 @@ class RolloutSupply:
         self.player_env_calls = None  # the environments' calls of episodes played while the policy trains (_player)
 
     def policy_settings(self) -> dict:
-        """The policy's own rollout engine: the one that generates (the hybrid engine), or none with --rollout-workers."""
-        args = self.args
-        return self._engine_settings() | dict(
-            rollout_engine=None if args.rollout_workers else args.rollout_engine,
-            lora_sync=args.lora_sync,
-            offload=args.offload,
-        )
+        """The policy's own rollout engine: the one that generates (the hybrid engine), or none with --rollout-workers
+        (its temperature is still the one the policy's log-probs are computed at)."""
+        return dict(engine=self.engine, generates=not self.args.rollout_workers)
 
     def start(self, policy, pool, probe_prompts) -> None:
         """Generate from `policy`: itself, or --rollout-workers engines apart from it (common/split_engines.py), on
         accelerators of their own of `pool`'s kind, that get their first weights at the first generate.
         `probe_prompts`: rows of load_prompts, the first of which makes the weight probe."""
         from common.data import pad_token_id
-        from common.engines import engine_serves_adapter
+        from common.engine_registry import engine_serves_adapter
         from common.split_engines import SplitEngines, probe
 
         args = self.args
@@ -62,23 +59,10 @@ class RolloutSupply:
             on_gpu,
             probe(probe_prompts, self.eos_token_ids, pad, args.max_response_length),
             args.max_rollout_logprob_diff,
-            engine_serves_adapter(args.rollout_engine, lora, args.lora_sync, on_gpu),
-            **self._engine_settings(),
+            engine_serves_adapter(self.engine.name, lora, args.lora_sync, on_gpu),
+            engine=self.engine,
             model_path=args.model_path,
-            compute_dtype=args.compute_dtype,
-            seed=args.seed,
             call_timeout=args.call_timeout,
-        )
-
-    def _engine_settings(self) -> dict:
-        """How a rollout engine generates, in the policy's processes or apart."""
-        args = self.args
-        return dict(
-            temperature=args.temperature,
-            rollout_engine=args.rollout_engine,
-            rollout_dtype=args.rollout_dtype,
-            rollout_gpu_memory_utilization=args.rollout_gpu_memory_utilization,
-            max_model_len=args.max_prompt_length + args.max_response_length,
         )
 
     def _engines(self):
@@ -114,7 +98,7 @@ class RolloutSupply:
             return batch
         start = time.perf_counter()
         self.engines.send_weights(self.version)
-        generate = dict(max_response_length=args.max_response_length, top_p=args.top_p, top_k=args.top_k)
+        generate = dict(max_response_length=args.max_response_length)  # sampled as the engines' settings say
         while True:
             while self.engines.batches_asked() < args.max_staleness + 1:
                 prompts = self.next_prompts().repeat(n, interleave=True)
@@ -141,7 +125,7 @@ class RolloutSupply:
         if self.environments is not None:
             generated = self._play(engines, batch, self.env_calls, sampling)
         else:
-            generated = engines.scatter("generate", prompts, max_response_length=args.max_response_length, **sampling)
+            generated = engines.scatter("generate", prompts, max_response_length=args.max_response_length, do_sample=do_sample)
         if "weight_version" not in generated:  # generated from the policy as it is now
             generated["weight_version"] = torch.full((len(generated),), self.version)
         return generated

@@ -23,7 +23,7 @@ import shlex
 import sys
 import time
 
-from common.args import RunArgs, check_args, flag, load_tokenizer, resolve_args, worker_micro_batch_tokens
+from common.args import RunArgs, check_args, engine_settings, flag, load_tokenizer, resolve_args, worker_micro_batch_tokens
 
 __all__ = ["Run", "RunArgs", "flag"]  # RunArgs and flag are the scripts' to import from here too
 
@@ -42,6 +42,7 @@ class Run:
         import torch
 
         from common.console import start_console
+        from common.engine_registry import load_engine
         from common.engines import eos_token_ids
         from common.sequence_parallel import check_heads
 
@@ -49,6 +50,8 @@ class Run:
         self.algo, self.supervised = algorithm_name(sys.argv[0]), supervised
         check_args(args)
         self.args = args = resolve_args(args)  # what the flags become on this machine, decided once; `args` is this copy
+        self.engine = engine_settings(args)  # how the rollout engines generate, one object every engine receives whole
+        load_engine(self.engine)
         self.run_prefix = f"{self.algo}__{args.exp_name}__{args.seed}"
         sys.excepthook = self._report_stop
         torch.manual_seed(args.seed)
@@ -143,9 +146,9 @@ class Run:
         if self.supervised:
             self.train_batches = self.train_loader.forever()
         else:
-            self.scorer.start(self.pool, reward_workers)
+            self.scorer.start(self.pool, reward_workers, self.engine)
             self.rollouts = RolloutSupply(
-                args, self.tokenizer, self.eos_token_ids, self.train_loader, environments, reward_workers
+                args, self.engine, self.tokenizer, self.eos_token_ids, self.train_loader, environments, reward_workers
             )
 
     def _start_pool(self, max_colocated: int):
@@ -210,7 +213,7 @@ class Run:
         from common.workers import PolicyWorker
 
         if self.supervised:  # no engine; the log-probs of the data at temperature 1
-            rollout = dict(rollout_engine=None, temperature=1.0, use_reference=False)
+            rollout = dict(engine=None, use_reference=False)
         else:
             rollout = self.rollouts.policy_settings()
         # the run's chat template (--chat-template), which the exported model's tokenizer keeps

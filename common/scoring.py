@@ -49,10 +49,11 @@ class Scorer:
             longest = args.max_prompt_length + args.max_response_length
             check_question_length(self.judge_template, self.judge_tokenizer, truths, longest, args.judge_max_prompt_length)
 
-    def start(self, pool, reward_workers: int) -> None:
+    def start(self, pool, reward_workers: int, engine=None) -> None:
         """The rule's processes (`reward_workers`; 0: calls in this process), and the reward model's group or the
         judge's: on the run's accelerators (`pool`), on --reward-model-workers of its own, or in this process (`pool`
-        None). It scores and never trains, so no checkpoint holds it."""
+        None). It scores and never trains, so no checkpoint holds it. `engine`: the run's engine settings, which the
+        judge's engine takes with lengths of its own."""
         from common.isolation import CallProcesses, InProcessCalls
         from common.rewards import REWARD_CALLS
 
@@ -62,9 +63,11 @@ class Scorer:
         else:
             self.rewards = InProcessCalls(self.reward_fn, args.reward_fn, REWARD_CALLS, args.reward_timeout)
         if self.by_model:
-            self._start_model(pool)
+            self._start_model(pool, engine)
 
-    def _start_model(self, pool) -> None:
+    def _start_model(self, pool, engine) -> None:
+        import dataclasses
+
         from common.judge import Judge
         from common.worker_group import ResourcePool, WorkerGroup
         from common.workers import JudgeWorker
@@ -84,14 +87,11 @@ class Scorer:
                 RewardModelWorker, pool, "reward_model", args.call_timeout, model_path=args.reward_model, **model
             )
             return
-        engine = dict(
-            rollout_engine=args.rollout_engine,
-            rollout_dtype=args.rollout_dtype,
-            rollout_gpu_memory_utilization=args.rollout_gpu_memory_utilization,
-            max_model_len=args.judge_max_prompt_length + args.judge_max_tokens,
-            temperature=1.0,
-        )
-        group = WorkerGroup(JudgeWorker, pool, "judge", args.call_timeout, model_path=args.judge_model, **model, **engine)
+        # the run's engine with the judge's lengths, its verdicts' log-probs at temperature 1, never offloaded or sent weights
+        longest = args.judge_max_prompt_length + args.judge_max_tokens
+        engine = dataclasses.replace(engine, max_model_len=longest, temperature=1.0, lora_sync="auto", offload=False)
+        judge = dict(model_path=args.judge_model, engine=engine)
+        group = WorkerGroup(JudgeWorker, pool, "judge", args.call_timeout, **judge, **model)
         self.judge = Judge(
             group,
             self.judge_tokenizer,

@@ -29,16 +29,27 @@ class SplitEngines:
 
     `probe`: a sequence (a response_batch row) that the trainer and the engines score after every sync;
     `logprob_bound`: the largest mean gap between them (--max-rollout-logprob-diff); `sends_adapter`: the engines
-    serve the policy's LoRA adapter, sent alone, rather than receiving every weight.
+    serve the policy's LoRA adapter, sent alone, rather than receiving every weight; `engine`: how they generate
+    (EngineSettings), each from `model_path`'s weights until the policy's first arrive.
     """
 
     def __init__(
-        self, policy, count: int, use_gpu: bool, probe: DataProto, logprob_bound: float, sends_adapter: bool, **engine_settings
+        self,
+        policy,
+        count: int,
+        use_gpu: bool,
+        probe: DataProto,
+        logprob_bound: float,
+        sends_adapter: bool,
+        engine,
+        model_path: str,
+        call_timeout: float,
     ):
         self.policy, self.probe, self.logprob_bound, self.sends_adapter = policy, probe, logprob_bound, sends_adapter
-        self.pool = ResourcePool(count, use_gpu, call_timeout=engine_settings["call_timeout"])
+        self.pool = ResourcePool(count, use_gpu, call_timeout=call_timeout)
         adapter_config = policy.broadcast("adapter_config")[0] if sends_adapter else None
-        self.group = WorkerGroup(RolloutWorker, self.pool, "rollout", adapter_config=adapter_config, **engine_settings)
+        settings = dict(engine=engine, model_path=model_path, adapter_config=adapter_config)
+        self.group = WorkerGroup(RolloutWorker, self.pool, "rollout", call_timeout, **settings)
         self.dtype = self.group.broadcast("weight_dtype")[0]  # what the policy sends the weights in
         address, size = policy.broadcast("master_address")[0], count + 1
         wait_all(policy.submit("join_weight_group", address, size), self.group.submit("join_weight_group", address, size))

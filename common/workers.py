@@ -6,6 +6,7 @@ knows an algorithm: losses arrive from the script as plain functions."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import queue
@@ -20,8 +21,9 @@ import torch
 from common import weight_sync
 from common.data import pad_token_id
 from common.dataproto import DataProto
-from common.engines import EngineContext, eos_token_ids, make_engine
-from common.fsdp_worker import FSDPWorker, compute_dtype_for, lora_model
+from common.engine_registry import make_engine
+from common.engines import EngineContext, EngineSettings, eos_token_ids
+from common.fsdp_worker import FSDPWorker, lora_model
 from common.layouts import response_outputs, rows_of
 from common.log_probs import chunked_log_probs, head_outputs_pass_through, response_log_probs
 from common.memory import measured
@@ -44,29 +46,44 @@ class EngineWorker(Worker):
     plays = 0
     """the episodes' plays under way on this engine (each between its open_turns and close_turns)"""
 
-    def engine_placement(self, master) -> dict:
-        """Where this worker's vLLM engine sits: its rank in the worker's group, whose rendezvous is `master`, and its
-        device."""
-        return dict(rank=self.rank, world_size=self.world_size, master=master, on_gpu=self.device.type == "cuda")
+    def build_engine(self, settings: EngineSettings, master, model_path: str, policy=None, optimizer=None, **context):
+        """The engine `settings` names in this process (self.engine), from `policy` (None: from `model_path`'s weights,
+        then from those sent it), its placement this rank in the worker's group, whose rendezvous is `master`; the
+        tokens that end a response and the pad token are the model's. `context`: EngineContext's frozen and
+        adapter_config."""
+        if getattr(self, "tokenizer", None) is None:
+            self.load_tokenizer(model_path)
+        placement = dict(rank=self.rank, world_size=self.world_size, master=master, on_gpu=self.device.type == "cuda")
+        self.engine_settings = settings
+        tokens = (self.tokenizer, self.eos_token_ids, self.pad_token_id)
+        context = EngineContext(settings, policy, optimizer, *tokens, model_path, self.device, placement, **context)
+        self.engine = make_engine(context)
+
+    def load_tokenizer(self, model_path: str, chat_template: str | None = None) -> None:
+        """The model's tokenizer (with `chat_template` in place of its own), the tokens that end a response and the
+        pad token."""
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer.chat_template = chat_template or self.tokenizer.chat_template
+        self.eos_token_ids = eos_token_ids(model_path, self.tokenizer)
+        self.pad_token_id = pad_token_id(self.tokenizer, self.eos_token_ids)
 
     @measured
     @torch.no_grad()
-    def generate(
-        self,
-        data: DataProto,
-        max_response_length: int,
-        do_sample: bool = True,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop_strings: list[str] | None = None,
-    ) -> DataProto:
-        """Sample (or greedily decode) one response per left-padded prompt, each ending at EOS, at the token that
-        completes one of `stop_strings` (padded after it) or after `max_response_length` tokens; see
-        rollout.response_batch for what returns."""
+    def generate(self, data: DataProto, max_response_length: int, **sampling) -> DataProto:
+        """Sample (or with do_sample False decode greedily) one response per left-padded prompt, each ending at EOS, at
+        the token that completes one of `stop_strings` (padded after it) or after `max_response_length` tokens, as the
+        engine's settings sample (EngineSettings.sampling); see rollout.response_batch for what returns."""
         prompts, prompt_mask = data["prompts"].to(self.device), data["prompt_mask"].to(self.device)
-        sampling = dict(do_sample=do_sample, temperature=self.temperature, top_p=top_p, top_k=top_k, stop_strings=stop_strings)
         with self.generating():
-            responses, log_probs = self.engine.generate(prompts, prompt_mask, max_response_length, **sampling)
+            self.engine.wake()
+            try:
+                responses, log_probs = self.engine.generate(
+                    prompts, prompt_mask, max_response_length, **self.engine_settings.sampling(**sampling)
+                )
+            finally:
+                self.engine.sleep()
         return response_batch(
             prompts, prompt_mask, responses, log_probs, max_response_length, self.eos_token_ids, self.pad_token_id
         )
@@ -86,27 +103,24 @@ class EngineWorker(Worker):
         last. Returns the engine's work so far (engine_work)."""
         if not callable(getattr(self.engine, "add_request", None)):
             raise TypeError(
-                f"the rollout engine {type(self.engine).__name__} takes no requests one by one (open_requests, "
-                "add_request, finished_requests, close_requests), which episodes need (--env, --tools): see "
+                f"the rollout engine {type(self.engine).__name__} takes no requests one by one (add_request, "
+                "finished_requests, forget), which episodes need (--env, --tools): see "
                 "docs/rollout-engines.md, Adding an engine"
             )
         if self.plays == 0:
-            self.engine.open_requests()
+            self.engine.wake()
             self.under_way, self.ended = {}, []
         self.plays += 1
         return self.engine_work()
 
     @torch.no_grad()
-    def turns(
-        self, play: str, requests: list, do_sample: bool = True, top_p: float = 1.0, top_k: int = 0, stop_strings=None
-    ) -> list[tuple[str, list[int], list[float], int | None, int]]:
+    def turns(self, play: str, requests: list, **sampling) -> list[tuple[str, list[int], list[float], int | None, int]]:
         """Start `requests` (an episode's key, prefixed by its `play`'s; the tokens of its context; the most tokens to
         generate) beside the turns under way, and return the turns of `play` that ended since the last call, after
         the engine's next steps if none had: each one's key, tokens (to its EOS or stop string), their log-probs, the
         weights' version they were generated from and the tokens of its context the engine computed (its cache had not
-        kept them)."""
-        prefix = f"{play}/"
-        sampling = dict(do_sample=do_sample, temperature=self.temperature, top_p=top_p, top_k=top_k, stop_strings=stop_strings)
+        kept them). `sampling`: what the turns' sampling changes of the engine's settings (EngineSettings.sampling)."""
+        prefix, sampling = f"{play}/", self.engine_settings.sampling(**sampling)
         with self.generating():
             for key, tokens, max_tokens in requests:
                 self.engine.add_request(key, tokens, max_tokens, **sampling)
@@ -130,9 +144,11 @@ class EngineWorker(Worker):
                 self._step()
 
     def close_turns(self, play: str) -> None:
-        """The end of a play (open_turns): the engine forgets its episodes, and after the last play it rests."""
+        """The end of a play (open_turns): the engine forgets its episodes, and after the last play it sleeps."""
         self.plays -= 1
-        self.engine.close_requests(f"{play}/", last=self.plays == 0)
+        self.engine.forget(f"{play}/")
+        if self.plays == 0:
+            self.engine.sleep()
 
     def engine_work(self) -> dict:
         """The seconds the engine spent generating and the context tokens it computed (prefilled: not taken from a
@@ -155,64 +171,37 @@ class PolicyWorker(FSDPWorker, EngineWorker):
         self,
         master,
         model_path: str,
-        temperature: float = 1.0,
+        engine: EngineSettings | None = EngineSettings(),
+        generates: bool = True,
         use_reference: bool = True,
-        rollout_engine: str | None = "hf",
-        rollout_dtype: str = "bfloat16",
-        rollout_gpu_memory_utilization: float = 0.5,
-        max_model_len: int = 2048,
-        lora_sync: str = "auto",
-        offload: bool = False,
         log_prob_chunk_tokens: int = 0,
         chat_template: str | None = None,
         **settings,
     ) -> None:
-        """The policy (see FSDPWorker.setup), its rollout engine (common/engines.py; none: `rollout_engine` None), and
-        the reference. `chat_template`: the run's (--chat-template), which the exported model's tokenizer keeps.
+        """The policy (see FSDPWorker.setup), the rollout engine `engine` names, which generates from it (none where it
+        `generates` not, rollout workers of their own doing it, or `engine` is None), and the reference.
+        `chat_template`: the run's (--chat-template), which the exported model's tokenizer keeps.
 
-        Log-probs are those of the logits divided by `temperature`, the distribution rollouts sample from, computed
-        over the vocabulary `log_prob_chunk_tokens` response tokens at a time (see chunked_log_probs; 0: all at once).
+        Log-probs are those of the logits divided by the engine's temperature (1 without an engine), the distribution
+        rollouts sample from, computed over the vocabulary `log_prob_chunk_tokens` response tokens at a time (see
+        chunked_log_probs; 0: all at once).
         """
-        from transformers import AutoTokenizer
-
         super().setup(master, model_path, **settings)
-        self.temperature = temperature
+        self.temperature = engine.temperature if engine is not None else 1.0
         self.log_prob_chunk_tokens = log_prob_chunk_tokens if head_outputs_pass_through(self.model, self.device) else None
         if self.rank == 0 and self.log_prob_chunk_tokens is None:
             print(f"{type(self).__name__}: log-probs from whole logits (this model changes its output layer's output)")
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.tokenizer.chat_template = chat_template or self.tokenizer.chat_template
+        self.load_tokenizer(model_path, chat_template)
         # The reference: with LoRA it is this same model with the adapter off.
         self.reference = None
         if use_reference and not self.lora:
             self.reference = self._shard(self._load(model_path).requires_grad_(False).eval(), offload=True)
-        self.eos_token_ids = eos_token_ids(model_path, self.tokenizer)
-        self.pad_token_id = pad_token_id(self.tokenizer, self.eos_token_ids)
         # FSDP2 initialises lazily on the root's first forward; generate needs that done.
         with torch.no_grad():
             self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device))
-        if rollout_engine is None:  # rollout workers of their own generate (split placement)
-            self.engine = None
-            return
-        context = EngineContext(
-            self.model,
-            self.optimizer,
-            self.tokenizer,
-            self.eos_token_ids,
-            self.pad_token_id,
-            model_path,
-            self.device,
-            self.engine_placement(master),
-            seed=settings.get("seed", 1),
-            rollout_dtype=rollout_dtype,
-            compute_dtype=self.compute_dtype,
-            gpu_memory_utilization=rollout_gpu_memory_utilization,
-            max_model_len=max_model_len,
-            lora_sync=lora_sync,
-            offload=offload,
-            frozen=not self.trains,
-        )
-        self.engine = make_engine(rollout_engine, context)
+        self.engine = None
+        if engine is not None and generates:
+            self.build_engine(engine, master, model_path, self.model, self.optimizer, frozen=not self.trains)
 
     def _forward(self, model, micro: DataProto, with_entropy: bool):
         """Log-probs (and entropies) of the response tokens, 0 on padding."""
@@ -462,50 +451,17 @@ class RolloutWorker(EngineWorker):
         super().__init__(rank, world_size, use_gpu)
         self.version, self.idle, self.idle_since = 0, 0.0, time.perf_counter()
 
-    def setup(
-        self,
-        master,
-        model_path: str,
-        temperature: float = 1.0,
-        rollout_engine: str = "hf",
-        rollout_dtype: str = "bfloat16",
-        rollout_gpu_memory_utilization: float = 0.5,
-        max_model_len: int = 2048,
-        compute_dtype: str = "float32",
-        seed: int = 1,
-        adapter_config=None,
-    ) -> None:
-        """The engine, from `model_path`'s weights: vLLM in `rollout_dtype`, or transformers' generate in
-        `compute_dtype`. `adapter_config` (with vLLM): the LoRA adapter it will be sent, which it then serves; without
-        it, it receives every weight."""
-        from transformers import AutoTokenizer
-
+    def setup(self, master, model_path: str, engine: EngineSettings = EngineSettings(), adapter_config=None) -> None:
+        """The engine `engine` names, from `model_path`'s weights (vLLM in its dtype, transformers' generate in the compute
+        dtype). `adapter_config`: the LoRA adapter it will be sent, which it then serves (with vLLM); without it, it
+        receives every weight."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.join_process_group(master)
-        torch.manual_seed(seed + self.rank)
-        self.temperature, self.adapter_config = temperature, adapter_config
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.eos_token_ids = eos_token_ids(model_path, tokenizer)
-        self.pad_token_id = pad_token_id(tokenizer, self.eos_token_ids)
-        context = EngineContext(
-            None,
-            None,
-            tokenizer,
-            self.eos_token_ids,
-            self.pad_token_id,
-            model_path,
-            self.device,
-            self.engine_placement(master),
-            seed=seed,
-            rollout_dtype=rollout_dtype,
-            compute_dtype=compute_dtype_for(compute_dtype, self.device),
-            gpu_memory_utilization=rollout_gpu_memory_utilization,
-            max_model_len=max_model_len,
-            lora_sync="adapter" if adapter_config is not None else "merged",
-            adapter_config=adapter_config,
-        )
-        self.engine = make_engine(rollout_engine, context)
+        torch.manual_seed(engine.seed + self.rank)
+        self.adapter_config = adapter_config
+        engine = dataclasses.replace(engine, lora_sync="adapter" if adapter_config is not None else "merged")
+        self.build_engine(engine, master, model_path, adapter_config=adapter_config)
 
     def weight_dtype(self) -> str:
         """The dtype the engine keeps its weights in, which the policy sends them in."""

@@ -268,6 +268,13 @@ class Probe:
         for name, value in settings.items():
             setattr(self, name, value)
 
+    def set_temperature(self, temperature: float) -> None:
+        """Sample at `temperature` and compute log-probs at it, as a run with --temperature does."""
+        import dataclasses
+
+        self.temperature = temperature
+        self.engine_settings = dataclasses.replace(self.engine_settings, temperature=temperature)
+
     def get(self, name: str):
         return getattr(self, name)
 

@@ -65,7 +65,7 @@ def test_an_episodes_next_turn_starts_from_its_kept_keys_and_values_and_generate
         return {key: rest for key, *rest in engine.finished_requests()}
 
     engine = HFEngine(model, tokenizer, eos, pad)
-    engine.open_requests()
+    engine.wake()
     first = turns(engine, {f"play/{i}": prompt for i, prompt in enumerate(prompts)})
     answers = [tokenizer(text, add_special_tokens=False).input_ids for text in ["=46;", "56;", "=101;"]]
     kept = [len(first[f"play/{i}"][0]) for i in range(2)] + [2]  # the third episode's turn cut after 2 tokens
@@ -80,18 +80,19 @@ def test_an_episodes_next_turn_starts_from_its_kept_keys_and_values_and_generate
     assert second["play/2"][2] <= len(answers[2]) + kept[2]
 
     fresh = HFEngine(model, tokenizer, eos, pad)  # nothing kept: every context computed whole
-    fresh.open_requests()
+    fresh.wake()
     whole = turns(fresh, second_contexts)
     assert [whole[key][2] for key in second_contexts] == [len(context) for context in second_contexts.values()]
     for key in second_contexts:
         assert second[key][0] == whole[key][0]
         # fp32 both ways; keys and values computed in other batches and shapes: rounding alone differs
         torch.testing.assert_close(torch.tensor(second[key][1]), torch.tensor(whole[key][1]), atol=1e-5, rtol=0)
-    engine.close_requests("play/", last=True)
+    engine.forget("play/")
+    engine.sleep()
     assert engine.held == {}
 
     tight = HFEngine(model, tokenizer, eos, pad)  # no memory to keep anything in: each turn computes its whole context
-    tight.open_requests()
+    tight.wake()
     tight.held_budget = 0
     turns(tight, {f"play/{i}": prompt for i, prompt in enumerate(prompts)})
     assert tight.held == {}

@@ -15,6 +15,7 @@ import torch
 from ray import cloudpickle
 
 import grpo_hybrid
+from common.engines import EngineSettings
 from common.envs import ENV_CALLS, Environments
 from common.isolation import InProcessCalls
 from common.memory import machine_memory_bytes
@@ -66,9 +67,9 @@ class EngineProbe(PolicyProbe):
             del self.engine.sync_weights
 
 
-def vllm_policy(pool, model_path, name, rollout_dtype="float32", **settings):
-    engine = dict(rollout_engine="vllm", rollout_dtype=rollout_dtype, max_model_len=16)
-    return WorkerGroup(EngineProbe, pool, name, model_path=model_path, **engine, **settings)
+def vllm_policy(pool, model_path, name, rollout_dtype="float32", lora_sync="auto", **settings):
+    engine = EngineSettings(name="vllm", dtype=rollout_dtype, max_model_len=16, lora_sync=lora_sync)
+    return WorkerGroup(EngineProbe, pool, name, model_path=model_path, engine=engine, **settings)
 
 
 def rollout(policy, prompts, n=4, method="generate"):
@@ -88,11 +89,11 @@ def policy(cpu_pool, tiny_model):
 
 
 def test_engine_samples_aligned_responses_with_the_trainers_log_probs(policy, prompts, tokenizer):
-    policy.broadcast("set", temperature=2.0)  # the engine applies the temperature, as the trainer does
+    policy.broadcast("set_temperature", 2.0)  # the engine applies the temperature, as the trainer does
     try:
         batch = rollout(policy, prompts)
     finally:
-        policy.broadcast("set", temperature=1.0)
+        policy.broadcast("set_temperature", 1.0)
     assert len(batch) == 20
     prompt_length = prompts["prompts"].shape[1]
     assert torch.equal(batch["input_ids"][:, :prompt_length], prompts.repeat(4)["prompts"])
