@@ -255,7 +255,6 @@ def check_args(args: RunArgs) -> None:
     the flag and the rule it breaks. (What needs a file read, the data or the cluster is checked where it is read.)"""
     from common.data import check_batch_sizes
     from common.engine_registry import check_engine, check_rollout
-    from common.rewards import reward_weights
     from common.rollout_correction import check_rollout_correction
 
     for field in dataclasses.fields(args):
@@ -273,6 +272,13 @@ def check_args(args: RunArgs) -> None:
     check_rollout(engine_settings(args))
     check_torchvision()
     check_rollout_correction(args)
+    check_micro_batches(args)
+    check_processes(args)
+    check_scoring_and_files(args)
+
+
+def check_micro_batches(args: RunArgs) -> None:
+    """How the workers cut a batch: log-prob chunks, micro-batch token budgets and the memory share they fit in."""
     longest = args.max_prompt_length + args.max_response_length
     if args.log_prob_chunk_tokens < 0:
         raise ValueError(f"--log-prob-chunk-tokens is {args.log_prob_chunk_tokens}; use 0 for all at once, or more")
@@ -291,6 +297,10 @@ def check_args(args: RunArgs) -> None:
             f"--max-response-length = {longest} tokens; raise it, use auto to fit it to the memory, or use 0 to count "
             "sequences with --micro-batch-size"
         )
+
+
+def check_processes(args: RunArgs) -> None:
+    """Where things run: engines apart from the policy and how stale their samples may be, the reward processes."""
     if args.rollout_workers < 0 or (args.rollout_workers and args.in_process):
         raise ValueError(
             f"--rollout-workers is {args.rollout_workers}; use 0 for the policy's own processes to generate (the only "
@@ -310,6 +320,12 @@ def check_args(args: RunArgs) -> None:
         raise ValueError("--offload makes room for an engine in the policy's processes: drop it with --rollout-workers")
     if args.reward_workers is not None and args.reward_workers < 0:
         raise ValueError(f"--reward-workers is {args.reward_workers}; use 0 to score in this process, or more")
+
+
+def check_scoring_and_files(args: RunArgs) -> None:
+    """What scores the responses (rule, reward model, judge), the prompts' length policy and the files named."""
+    from common.rewards import reward_weights
+
     if args.judge_model is not None and (args.reward_model is not None or args.judge_template is None):
         raise ValueError(
             "--judge-model needs --judge-template (the question it answers), and takes the place of --reward-model: "

@@ -116,14 +116,19 @@ class FSDPWorker(Worker):
         self.layout = next((packing for packing in packings if self.packs and self._packs_exactly(packing)), "padded")
         self.flex_from = None
         self.set_up_block_masks(micro_batch_tokens)
-        if self.rank == 0:
-            frozen_layout = f", frozen weights: {'replicated' if replicate_frozen else 'sharded'}" if self.lora else ""
-            split = f", sequence parallel: {self.sequence_parallel}" if self.sequence_group is not None else ""
-            print(
-                f"{type(self).__name__}: {self.world_size} x {self.device.type}, compute: {self.compute_dtype}, "
-                f"attention: {self.attention_kernel}, "
-                f"micro-batches: {self.layout}{frozen_layout}{split}"
-            )
+        self._report_setup(replicate_frozen)
+
+    def _report_setup(self, replicate_frozen: bool) -> None:
+        """Rank 0 prints one line of how the workers compute: devices, dtype, attention kernel, micro-batch layout."""
+        if self.rank != 0:
+            return
+        frozen_layout = f", frozen weights: {'replicated' if replicate_frozen else 'sharded'}" if self.lora else ""
+        split = f", sequence parallel: {self.sequence_parallel}" if self.sequence_group is not None else ""
+        print(
+            f"{type(self).__name__}: {self.world_size} x {self.device.type}, compute: {self.compute_dtype}, "
+            f"attention: {self.attention_kernel}, "
+            f"micro-batches: {self.layout}{frozen_layout}{split}"
+        )
 
     def _init_distributed(self, master: tuple[str, int], seed: int, sequence_parallel: int = 1) -> None:
         from torch.distributed.device_mesh import init_device_mesh

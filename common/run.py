@@ -300,53 +300,25 @@ class Run:
 
         Stops the run after --max-bad-steps steps in a row whose updates a NaN or inf gradient skipped.
         """
-        from common.checkpoint import save_checkpoint
-        from common.envs import episode_metrics
         from common.rewards import extra_means
         from common.tracking import timer
 
         args, step_time = self.args, time.perf_counter() - self.step_start
-        response_mask = batch["response_mask"]
-        response_lengths = response_mask.sum(-1)
-        if "entropy" in batch:  # else the update measured it
-            metrics["actor/entropy"] = ((batch["entropy"] * response_mask).sum() / response_mask.sum()).item()
-        if scores is not None:  # None: a supervised step
-            metrics["train/reward_mean"] = scores.mean().item()
-        metrics |= {
-            "response/length_mean": response_lengths.mean().item(),
-            "response/clip_ratio": (response_lengths == args.max_response_length).float().mean().item(),
-            "timing/step": step_time,
-            "perf/tokens_per_s": batch["attention_mask"].sum().item() / step_time,
-        }
-        if "staleness" in batch:  # updates between the weights that generated the samples and the policy's
-            staleness = batch["staleness"].float()
-            metrics |= {"rollout/staleness_mean": staleness.mean().item(), "rollout/staleness_max": staleness.max().item()}
-        if self.rollouts is not None:
-            self.rollouts.version = step  # the step's update: validation and the next generate see it
-        position, batches = self.train_loader.state_dict(), len(self.train_loader)
-        metrics["train/epoch"] = position["epoch"] + position["batch_index"] / batches  # passes over the data so far
-        if "ending" in batch:
-            metrics |= episode_metrics(batch, "env/")
+        metrics |= self._step_metrics(batch, scores, step_time)
         # the reward's own keys beside its counts, which keep a name both use
         extras = extra_means(batch["reward_extra"] if "reward_extra" in batch else [], "reward/")
         metrics |= {key: value for key, value in extras.items() if key not in metrics}
+        if self.rollouts is not None:
+            self.rollouts.version = step  # the step's update: validation and the next generate see it
         self.stopping = self.stop.requested
-        last = step == args.total_steps or self.stopping
         if step % args.test_freq == 0 or step == args.total_steps:
             with timer("validate", metrics):
                 val_metrics, samples = self._validate()
             metrics |= val_metrics
             self.tracker.log_samples(samples, step=step)
         self._record_peak_memory(metrics)
-        if step % args.save_freq == 0 or last:
-            with timer("save", metrics):
-                if self.supervised:
-                    groups, driver = self.groups, {"loader": self.train_loader.state_dict()} | driver_state
-                else:
-                    groups = self.groups | self.rollouts.groups()
-                    with timer("save_in_flight", metrics):  # the engines finish the work in flight that the checkpoint keeps
-                        driver = self.rollouts.checkpoint_state() | driver_state
-                save_checkpoint(self.tracker.run_dir, step, groups, driver, args.keep_last)
+        if step % args.save_freq == 0 or step == args.total_steps or self.stopping:
+            self._save(step, metrics, driver_state)
         self.tracker.log(metrics, step=step)
         shown = ("loss", metrics["actor/loss"]) if scores is None else ("reward", metrics["train/reward_mean"])
         self.postfix = {shown[0]: f"{shown[1]:.3f}", "step_s": f"{step_time:.2f}"}
@@ -358,6 +330,46 @@ class Run:
                 f"{self.bad_steps} steps in a row had NaN or inf gradients; their updates were skipped, so no weights "
                 "are corrupted. Check the rewards and the learning rate, then continue with --resume auto"
             )
+
+    def _step_metrics(self, batch, scores, step_time: float) -> dict:
+        """What every step logs of its batch: entropy (unless the update measured it), reward, response lengths, speed,
+        the samples' staleness, the epoch and the episodes' figures."""
+        from common.envs import episode_metrics
+
+        metrics, response_mask = {}, batch["response_mask"]
+        response_lengths = response_mask.sum(-1)
+        if "entropy" in batch:  # else the update measured it
+            metrics["actor/entropy"] = ((batch["entropy"] * response_mask).sum() / response_mask.sum()).item()
+        if scores is not None:  # None: a supervised step
+            metrics["train/reward_mean"] = scores.mean().item()
+        metrics |= {
+            "response/length_mean": response_lengths.mean().item(),
+            "response/clip_ratio": (response_lengths == self.args.max_response_length).float().mean().item(),
+            "timing/step": step_time,
+            "perf/tokens_per_s": batch["attention_mask"].sum().item() / step_time,
+        }
+        if "staleness" in batch:  # updates between the weights that generated the samples and the policy's
+            staleness = batch["staleness"].float()
+            metrics |= {"rollout/staleness_mean": staleness.mean().item(), "rollout/staleness_max": staleness.max().item()}
+        position, batches = self.train_loader.state_dict(), len(self.train_loader)
+        metrics["train/epoch"] = position["epoch"] + position["batch_index"] / batches  # passes over the data so far
+        if "ending" in batch:
+            metrics |= episode_metrics(batch, "env/")
+        return metrics
+
+    def _save(self, step: int, metrics: dict, driver_state: dict) -> None:
+        """A checkpoint of every group and the driver's state (with engines apart, their work in flight finished)."""
+        from common.checkpoint import save_checkpoint
+        from common.tracking import timer
+
+        with timer("save", metrics):
+            if self.supervised:
+                groups, driver = self.groups, {"loader": self.train_loader.state_dict()} | driver_state
+            else:
+                groups = self.groups | self.rollouts.groups()
+                with timer("save_in_flight", metrics):  # the engines finish the work in flight that the checkpoint keeps
+                    driver = self.rollouts.checkpoint_state() | driver_state
+            save_checkpoint(self.tracker.run_dir, step, groups, driver, self.args.keep_last)
 
     def _record_peak_memory(self, metrics: dict) -> None:
         """The step's peak memory per worker method, the largest over ranks and calls (`perf/peak_memory_gb/policy/
