@@ -71,10 +71,8 @@ def start_script(script: str, *flags, cwd, env=None) -> "subprocess.Popen | Serv
     `env` (variables a library may read as it is imported), a new interpreter."""
     args = [sys.executable, str(ROOT / "algos" / script), *flags]
     if env:
-        return subprocess.Popen(
-            args, cwd=cwd, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            start_new_session=True,
-        )  # fmt: skip
+        pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(args, cwd=cwd, env={**os.environ, **env}, **pipes, start_new_session=True)
     return ServedRun(script_server(), args, cwd)
 
 
