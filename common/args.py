@@ -378,18 +378,13 @@ def engine_settings(args: RunArgs):
     if in_a_file(name):
         path, _, factory = name.rpartition(":")
         name = f"{os.path.abspath(path)}:{factory}"
+    same = ("temperature", "top_p", "top_k", "compute_dtype", "lora_sync", "offload", "seed")  # a flag of the same name
     return EngineSettings(
         name=name,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
         max_model_len=args.max_prompt_length + args.max_response_length,
         dtype=args.rollout_dtype,
-        compute_dtype=args.compute_dtype,
         gpu_memory_utilization=args.rollout_gpu_memory_utilization,
-        lora_sync=args.lora_sync,
-        offload=args.offload,
-        seed=args.seed,
+        **{field: getattr(args, field) for field in same},
     )
 
 
