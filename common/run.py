@@ -23,7 +23,8 @@ import shlex
 import sys
 import time
 
-from common.args import RunArgs, check_args, engine_settings, flag, load_tokenizer, resolve_args, worker_micro_batch_tokens
+from common.args import RunArgs, check_args, engine_settings, flag, resolve_args, worker_micro_batch_tokens
+from common.pretrained import load_tokenizer
 
 __all__ = ["Run", "RunArgs", "flag"]  # RunArgs and flag are the scripts' to import from here too
 

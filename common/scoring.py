@@ -4,7 +4,9 @@ common/judge.py), which runs on a worker group of its own."""
 
 from __future__ import annotations
 
-from common.args import check_reward_model, load_tokenizer, worker_micro_batch_tokens
+from common.args import worker_micro_batch_tokens
+from common.pretrained import load_tokenizer
+from common.reward_model import check_reward_model
 
 
 class Scorer:
