@@ -136,11 +136,11 @@ def actor_loss(batch, outputs, minibatch_tokens, minibatch_seqs, args: Args):
     # Without an old-log-prob pass the policy before this update is this one: its log-probs held constant are pi_old.
     old_log_prob = batch["old_log_probs"] if "old_log_probs" in batch else log_prob.detach()
     is_weights = loss_weights(batch, old_log_prob, args)  # --rollout-is: pi_old / pi_rollout for the engine's samples
+    clip = dict(clip_low=args.clip_ratio_low, clip_high=args.clip_ratio_high, clip_c=args.clip_ratio_c)
+    aggregation = dict(agg_mode=args.loss_agg_mode, num_tokens=minibatch_tokens, num_seqs=minibatch_seqs)
     pg_loss, metrics = compute_policy_loss(
-        old_log_prob, log_prob, batch["advantages"], mask, clip_low=args.clip_ratio_low, clip_high=args.clip_ratio_high,
-        clip_c=args.clip_ratio_c, agg_mode=args.loss_agg_mode, num_tokens=minibatch_tokens, num_seqs=minibatch_seqs,
-        is_weights=is_weights,
-    )  # fmt: skip
+        old_log_prob, log_prob, batch["advantages"], mask, **clip, **aggregation, is_weights=is_weights
+    )
     metrics |= update_terms(batch, old_log_prob, entropy, *counts, args)  # what a skipped old-log-prob pass measures
     loss = pg_loss - args.entropy_coef * aggregate(entropy)
     metrics["pg_loss"] = pg_loss.detach()
@@ -152,7 +152,7 @@ if __name__ == "__main__":
     from common.rollout_correction import rejection_mask, rollout_diagnostics, update_figures
     from common.run import Run
     from common.tracking import timer
-    from common.workers.policy import LOG_PROB_INPUTS
+    from common.workers import LOG_PROB_INPUTS
 
     args = tyro.cli(Args)
     if args.model_path is None or not args.train_files:

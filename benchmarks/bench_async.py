@@ -37,12 +37,11 @@ SETTINGS = {
 def run(setting: str, seed: int, steps: int, prompts: int, response_length: int) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         flags = [
-            "--model-path", "smollm2", "--rollout-engine", "vllm", "--rollout-dtype", "float32",
-            "--compute-dtype", "float32",
-            "--max-response-length", str(response_length), "--total-steps", str(steps), "--test-freq", str(steps),
-            "--train-batch-size", str(prompts), "--mini-batch-size", str(prompts),
-            "--no-val-before-train", "--seed", str(seed), *SETTINGS[setting],
-        ]  # fmt: skip
+            *"--model-path smollm2 --rollout-engine vllm --rollout-dtype float32 --compute-dtype float32".split(),
+            *f"--max-response-length {response_length} --total-steps {steps} --test-freq {steps}".split(),
+            *f"--train-batch-size {prompts} --mini-batch-size {prompts} --no-val-before-train --seed {seed}".split(),
+            *SETTINGS[setting],
+        ]
         result = subprocess.run(
             [sys.executable, str(ROOT / "algos" / "grpo_hybrid.py"), *flags], cwd=folder, capture_output=True, text=True
         )

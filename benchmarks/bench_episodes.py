@@ -222,10 +222,11 @@ if __name__ == "__main__":
         parser.error("--rollouts, --prompts, --samples, --max-turns and --env-workers count from 1")
 
     from common import demo
-    from common.rollout import check_rollout
+    from common.engine_registry import check_rollout
+    from common.engines import EngineSettings
 
     for engine in args.engines:  # vLLM installed, before the hf engine's settings are measured
-        check_rollout(engine, temperature=1.0, top_p=1.0, top_k=0, lora_sync="auto", offload=False)
+        check_rollout(EngineSettings(name=engine))
 
     cpu = machine()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()

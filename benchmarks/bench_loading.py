@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import tyro
 
 from common.pretrained import cache_root, resolve
-from common.workers.policy import PolicyWorker
+from common.workers import PolicyWorker
 
 RANDOM_MODELS = {
     "qwen2.5-1.5b-shape": {
@@ -71,7 +71,7 @@ if __name__ == "__main__":
     path = random_model(args.model_path) if args.model_path in RANDOM_MODELS else resolve(args.model_path)
     start_local_ray(num_cpus=args.ranks)
     pool = ResourcePool(args.ranks, use_gpu=False)
-    group = WorkerGroup(StartupPeak, pool, "loading", model_path=path, rollout_engine=None)
+    group = WorkerGroup(StartupPeak, pool, "loading", model_path=path, generates=False)
     peaks = group.broadcast("peak_gb")
     print(f"{args.model_path}, {args.ranks} rank(s): start-up peak per rank (GB): {', '.join(f'{p:.2f}' for p in peaks)}")
     group.shutdown()

@@ -36,7 +36,7 @@ from common.pretrained import resolve  # noqa: E402
 from common.rollout import response_batch  # noqa: E402
 from common.worker_group import init_ray  # noqa: E402
 from common.worker_group import ResourcePool, WorkerDied, WorkerGroup  # noqa: E402
-from common.workers.policy import PolicyWorker  # noqa: E402
+from common.workers import PolicyWorker  # noqa: E402
 
 cloudpickle.register_pickle_by_value(grpo_hybrid)
 LOG_PROB_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")

@@ -38,7 +38,7 @@ from common.dataproto import DataProto  # noqa: E402
 from common.rollout import response_batch  # noqa: E402
 from common.worker_group import init_ray  # noqa: E402
 from common.worker_group import ResourcePool, WorkerGroup  # noqa: E402
-from common.workers.policy import PolicyWorker  # noqa: E402
+from common.workers import PolicyWorker  # noqa: E402
 
 cloudpickle.register_pickle_by_value(grpo_hybrid)
 EOS = 1

@@ -21,6 +21,7 @@ import argparse
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -31,10 +32,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.dataproto import DataProto  # noqa: E402
+from common.engines import EngineSettings  # noqa: E402
 from common.worker_group import init_ray  # noqa: E402
 from common.weight_sync import engine_adapter  # noqa: E402
 from common.worker_group import ResourcePool, WorkerGroup  # noqa: E402
-from common.workers.policy import PolicyWorker  # noqa: E402
+from common.workers import PolicyWorker  # noqa: E402
 
 VOCAB = 32000
 
@@ -77,8 +79,8 @@ class TimedPolicy(PolicyWorker):
     def timed_generate(self, data: DataProto, **sampling) -> tuple[float, float, int]:
         """Seconds of weight sync, then of generation, and the tokens generated, of one rollout as a step runs it."""
         start = time.perf_counter()
-        if hasattr(self.rollout, "sync_weights"):
-            self.rollout.sync_weights()
+        if hasattr(self.engine, "sync_weights"):
+            self.engine.sync_weights()
         synced = time.perf_counter()
         output = self.generate(data, **sampling)
         return synced - start, time.perf_counter() - synced, int(output["response_mask"].sum())
@@ -91,7 +93,7 @@ class TimedPolicy(PolicyWorker):
             else sum(p.numel() for p in self.model.parameters())
         )
         start = time.perf_counter()
-        self.rollout.sync_weights()
+        self.engine.sync_weights()
         return time.perf_counter() - start, sent
 
 
@@ -114,14 +116,15 @@ def real_model(args, pool) -> None:
     prompts = load_prompts([train_file], tokenizer, settings["max_prompt_length"])[: settings["train_batch_size"]]
     batch = collate(prompts, tokenizer.pad_token_id).repeat(settings["n"]).select("prompts", "prompt_mask")
     lora = dict(lora_rank=settings["lora_rank"], lora_alpha=settings["lora_alpha"])
-    common = dict(model_path=model_path, use_reference=False, rollout_dtype=args.rollout_dtype, **lora)
-    common["max_model_len"] = settings["max_prompt_length"] + settings["max_response_length"]  # as the scripts size it
+    longest = settings["max_prompt_length"] + settings["max_response_length"]  # as the scripts size it
+    common = dict(model_path=model_path, use_reference=False, **lora)
     print(f"{len(batch)} sequences, at most {settings['max_response_length']} new tokens, LoRA rank {lora['lora_rank']}")
     print("| engine | weight sync | generate | step's rollout | new tokens |")
     print("|---|---|---|---|---|")
     for engine, sync in (("hf", "auto"), ("vllm", "adapter"), ("vllm", "merged")):
         name = engine if engine == "hf" else f"vllm {args.rollout_dtype}, --lora-sync {sync}"
-        policy = WorkerGroup(TimedPolicy, pool, name, rollout_engine=engine, lora_sync=sync, **common)
+        settings = EngineSettings(name=engine, dtype=args.rollout_dtype, max_model_len=longest, lora_sync=sync)
+        policy = WorkerGroup(TimedPolicy, pool, name, engine=settings, **common)
         rollout = partial(policy.scatter, "timed_generate", batch, max_response_length=settings["max_response_length"])
         rollout()  # a warm-up call, not timed
         calls = [rollout() for _ in range(args.repeats)]
@@ -155,10 +158,11 @@ def main():
     build_model(model_path)
     batch = prompts(args.prompts, args.prompt_length, seed=0)
     max_model_len = args.prompt_length + args.new_tokens
-    settings = dict(model_path=model_path, use_reference=False, max_model_len=max_model_len, rollout_dtype=args.rollout_dtype)
+    settings = dict(model_path=model_path, use_reference=False)
+    engine_settings = EngineSettings(dtype=args.rollout_dtype, max_model_len=max_model_len)
     speed = {}
     for engine in ("hf", "vllm"):
-        policy = WorkerGroup(TimedPolicy, pool, engine, rollout_engine=engine, **settings)
+        policy = WorkerGroup(TimedPolicy, pool, engine, engine=replace(engine_settings, name=engine), **settings)
         # eos is one token in 32k: responses run to the limit, so both engines generate the same amount
         policy.scatter("generate", batch, max_response_length=args.new_tokens)
         seconds, tokens = [], []
@@ -175,8 +179,8 @@ def main():
             report_sync(policy, "every weight", args.repeats)
         policy.shutdown()
     print(f"vllm / hf: {speed['vllm'] / speed['hf']:.2f}x")
-    lora = dict(lora_rank=args.lora_rank, lora_sync="adapter")
-    adapter = WorkerGroup(TimedPolicy, pool, "adapter", rollout_engine="vllm", **lora, **settings)
+    adapter_settings = replace(engine_settings, name="vllm", lora_sync="adapter")
+    adapter = WorkerGroup(TimedPolicy, pool, "adapter", engine=adapter_settings, lora_rank=args.lora_rank, **settings)
     report_sync(adapter, f"the rank-{args.lora_rank} LoRA adapter", args.repeats)
     adapter.shutdown()
     pool.shutdown()

@@ -59,11 +59,11 @@ KEPT = ("rollout_corr/", "rollout/staleness")  # every step's diagnostics, and h
 def run(flags: list[str], seed: int, steps: int, staleness: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
         command = [
-            "--model-path", "smollm2", "--rollout-engine", "vllm", "--rollout-dtype", "bfloat16",
-            "--compute-dtype", "float32", "--num-workers", "1", "--rollout-workers", "1",
-            "--max-staleness", str(staleness), "--max-rollout-logprob-diff", "0",
-            "--total-steps", str(steps), "--test-freq", str(steps), "--no-val-before-train", "--seed", str(seed), *flags,
-        ]  # fmt: skip
+            *"--model-path smollm2 --rollout-engine vllm --rollout-dtype bfloat16 --compute-dtype float32".split(),
+            *f"--num-workers 1 --rollout-workers 1 --max-staleness {staleness} --max-rollout-logprob-diff 0".split(),
+            *f"--total-steps {steps} --test-freq {steps} --no-val-before-train --seed {seed}".split(),
+            *flags,
+        ]
         result = subprocess.run(
             [sys.executable, str(ROOT / "algos" / "grpo_hybrid.py"), *command], cwd=folder, capture_output=True, text=True
         )
@@ -91,8 +91,8 @@ def plot(records: list[dict], out: Path) -> None:
         label = f"{record['setting']}: " + ", ".join(f"{other['accuracy']:.0%}" for other in same)
         steps = range(1, len(record["steps"]) + 1)
         for ax, name in zip(row, ("kl_k3", "ess")):
-            ax.plot(steps, [step[f"rollout_corr/{name}"] for step in record["steps"]], color=colour,
-                    label=label if record is same[0] else None)  # fmt: skip
+            values = [step[f"rollout_corr/{name}"] for step in record["steps"]]
+            ax.plot(steps, values, color=colour, label=label if record is same[0] else None)
     for staleness, row in zip(stalenesses, axes):
         row[0].set(xlabel="step", ylabel="KL(rollout || trainer), k3 estimator", yscale="log")
         row[1].set(xlabel="step", ylabel="effective sample size (1: every weight equal)")

@@ -44,14 +44,15 @@ GRPO = dict(
 
 
 def grpo_flags(steps: int, tool: bool = True) -> list[str]:
+    settings = dict(GRPO, steps=steps)
     return [
         *(["--tools", "multiply", "--max-turns", str(GRPO["max_turns"])] if tool else []),
-        "--total-steps", str(steps), "--test-freq", str(steps),
-        "--train-batch-size", str(GRPO["prompts"]), "--mini-batch-size", str(GRPO["prompts"]), "--n", str(GRPO["samples"]),
-        "--lora-rank", str(GRPO["lora_rank"]), "--lora-alpha", str(GRPO["lora_alpha"]), "--lr", str(GRPO["lr"]),
-        "--kl-loss-coef", str(GRPO["kl"]), "--max-prompt-length", str(GRPO["prompt_tokens"]),
-        "--max-response-length", str(GRPO["response_tokens"]), "--val-batch-size", "64", "--micro-batch-size", "16",
-    ]  # fmt: skip
+        *"--total-steps {steps} --test-freq {steps}".format_map(settings).split(),
+        *"--train-batch-size {prompts} --mini-batch-size {prompts} --n {samples}".format_map(settings).split(),
+        *"--lora-rank {lora_rank} --lora-alpha {lora_alpha} --lr {lr} --kl-loss-coef {kl}".format_map(settings).split(),
+        *"--max-prompt-length {prompt_tokens} --max-response-length {response_tokens}".format_map(settings).split(),
+        *"--val-batch-size 64 --micro-batch-size 16".split(),
+    ]
 
 
 def run_script(script: str, flags: list[str], folder: Path) -> tuple[list[dict], Path, float]:

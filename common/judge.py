@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from common.data import collate
+from common.data import collate, pad_token_id
 from common.dataproto import DataProto
 from common.rewards import RewardError
 from common.rollout import response_batch
@@ -108,12 +108,12 @@ def probability_verdicts(log_probs: torch.Tensor, top_tokens: torch.Tensor, verd
 
 
 class Judge:
-    """The judge's worker group (common/workers/judge.py) and what it needs to turn responses into scores."""
+    """The judge's worker group (common/workers.py) and what it needs to turn responses into scores."""
 
     def __init__(self, group, tokenizer, template: str, mode: str, max_tokens: int, max_prompt_length: int, model: str):
         self.group, self.tokenizer, self.template, self.mode = group, tokenizer, template, mode
         self.max_tokens, self.max_prompt_length, self.model = max_tokens, max_prompt_length, model
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+        self.pad_token_id = pad_token_id(tokenizer)
         self.verdict_ids = verdict_token_ids(tokenizer, model) if mode == "probability" else None
         self.reported = False
 

@@ -94,37 +94,12 @@ def response_outputs(
     attention_mask = micro["attention_mask"].bool()
     response_length = micro["responses"].shape[1]
     response_mask = attention_mask[:, -response_length:]
-    flex, segments = False, None
     if layout == "padded":
         inputs = {key: micro[key] for key in ("input_ids", "attention_mask", "position_ids")}
         place = torch.arange(attention_mask.numel(), device=attention_mask.device).view(attention_mask.shape)
-        causal = False
+        causal, flex, segments = False, False, None
     else:
-        prompts = same_prompts(micro["input_ids"], attention_mask, response_length) if layout == "shared prompts" else []
-        # A block mask costs nothing for the pairs of sequences that never meet: one row holds the whole micro-batch
-        # (and torch.compile, which on the CPU fails to build FlexAttention again for another number of rows, sees one).
-        flex = runs_flex(attention_mask.shape[1], attention_mask.device, flex_from)
-        if len(set(prompts)) < len(prompts):
-            place, width, rows, segments = shared_prompt_places(prompts, attention_mask, response_length, one_row=flex)
-            causal = False
-        else:
-            lengths = attention_mask.sum(-1)
-            width = int(lengths.sum()) if layout == "one row" or flex else attention_mask.shape[1]
-            row_of, offset_of = pack_rows(lengths.tolist(), width)
-            start = torch.tensor(row_of, device=lengths.device) * width + torch.tensor(offset_of, device=lengths.device)
-            place, rows = start[:, None] + attention_mask.cumsum(-1) - 1, max(row_of) + 1
-            causal = max(offset_of) == 0  # each row holds one sequence from its first place, then padding
-        tokens = place[attention_mask]  # each token's place in the packed rows, read flat
-        inputs = {
-            key: micro[key].new_zeros(rows * width).index_put_((tokens,), micro[key][attention_mask]).view(-1, width)
-            for key in ("input_ids", "position_ids")  # padding at a row's end sits at position 0: a sequence of its own
-        }
-        if flex:
-            segments = segments or (packed_segments(inputs["position_ids"]),)
-            if sequence_group is None:
-                inputs["attention_mask"] = segment_block_mask(*segments)
-        elif segments is not None:
-            inputs["attention_mask"] = shared_prompt_mask(*segments)
+        inputs, place, causal, flex, segments = packed_inputs(micro, layout, flex_from, sequence_group is None)
     read = place[:, -response_length - 1 : -1][response_mask]
     if sequence_group is not None:
         mask = segments if flex else None if causal else full_attention(inputs)
@@ -133,6 +108,41 @@ def response_outputs(
         with output_layer_at(model, read, head_outputs):
             return model(**inputs, use_cache=False).logits[0]
     return model(**inputs, use_cache=False).logits.flatten(0, 1)[read]
+
+
+def packed_inputs(micro: DataProto, layout: Layout, flex_from: int | None, block_mask: bool):
+    """A micro-batch's sequences packed as response_outputs describes `layout` (not "padded"): the model's inputs,
+    each token's place in the packed rows, read flat ([rows, width] as the micro-batch's), whether each row holds one
+    sequence from its first place (the causal kernel needs no mask), whether it attends through a block mask, and the
+    segments that mask is built from. `block_mask` False: a sequence-parallel group builds the mask itself."""
+    attention_mask = micro["attention_mask"].bool()
+    response_length = micro["responses"].shape[1]
+    prompts = same_prompts(micro["input_ids"], attention_mask, response_length) if layout == "shared prompts" else []
+    # A block mask costs nothing for the pairs of sequences that never meet: one row holds the whole micro-batch
+    # (and torch.compile, which on the CPU fails to build FlexAttention again for another number of rows, sees one).
+    flex, segments = runs_flex(attention_mask.shape[1], attention_mask.device, flex_from), None
+    if len(set(prompts)) < len(prompts):
+        place, width, rows, segments = shared_prompt_places(prompts, attention_mask, response_length, one_row=flex)
+        causal = False
+    else:
+        lengths = attention_mask.sum(-1)
+        width = int(lengths.sum()) if layout == "one row" or flex else attention_mask.shape[1]
+        row_of, offset_of = pack_rows(lengths.tolist(), width)
+        start = torch.tensor(row_of, device=lengths.device) * width + torch.tensor(offset_of, device=lengths.device)
+        place, rows = start[:, None] + attention_mask.cumsum(-1) - 1, max(row_of) + 1
+        causal = max(offset_of) == 0  # each row holds one sequence from its first place, then padding
+    tokens = place[attention_mask]  # each token's place in the packed rows, read flat
+    inputs = {
+        key: micro[key].new_zeros(rows * width).index_put_((tokens,), micro[key][attention_mask]).view(-1, width)
+        for key in ("input_ids", "position_ids")  # padding at a row's end sits at position 0: a sequence of its own
+    }
+    if flex:
+        segments = segments or (packed_segments(inputs["position_ids"]),)
+        if block_mask:
+            inputs["attention_mask"] = segment_block_mask(*segments)
+    elif segments is not None:
+        inputs["attention_mask"] = shared_prompt_mask(*segments)
+    return inputs, place, causal, flex, segments
 
 
 def sequence_parallel_outputs(model, inputs: dict, read: torch.Tensor, mask, language_model: bool, head_outputs, group):
@@ -283,8 +293,9 @@ LAYOUT_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.05}
 
 
 @torch.no_grad()
-def packing_gap(model, packing: Layout, language_model: bool, dtype: torch.dtype, sequence_group=None,
-                flex_from: int | None = None) -> str | None:  # fmt: skip
+def packing_gap(
+    model, packing: Layout, language_model: bool, dtype: torch.dtype, sequence_group=None, flex_from: int | None = None
+) -> str | None:
     """Why `packing` does not stand in for padded micro-batches with `model` (computing in `dtype`), or None where it
     does. Three made-up sequences share packed rows, two of them a prompt. Compared, at LAYOUT_TOLERANCE[dtype]: the
     outputs a run uses (a language model's log-prob of each sequence's own next token, a critic's value), packed and

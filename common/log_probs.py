@@ -1,7 +1,7 @@
 """The log-probs and entropies of response tokens from a language model's outputs: at a temperature, over the whole
 vocabulary at once or a chunk of tokens at a time, with an entropy that costs its backward nothing when unused.
 
-Pure torch: the policy's worker (common/workers/policy.py) reads the model's outputs at the response tokens
+Pure torch: the policy's worker (common/workers.py) reads the model's outputs at the response tokens
 (layouts.response_outputs) and turns them into log-probs here.
 """
 

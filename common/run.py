@@ -24,7 +24,8 @@ import sys
 import time
 from collections import defaultdict
 
-from common.args import RunArgs, check_args, flag, load_tokenizer, resolve_args, worker_micro_batch_tokens
+from common.args import RunArgs, check_args, engine_settings, flag, resolve_args, worker_micro_batch_tokens
+from common.pretrained import load_tokenizer
 
 __all__ = ["Run", "RunArgs", "flag"]  # RunArgs and flag are the scripts' to import from here too
 
@@ -43,13 +44,16 @@ class Run:
         import torch
 
         from common.console import start_console
-        from common.rollout import eos_token_ids
+        from common.engine_registry import load_engine
+        from common.engines import eos_token_ids
         from common.sequence_parallel import check_heads
 
         # Everything that can be wrong with the input fails here, before any worker starts.
         self.algo, self.supervised = algorithm_name(sys.argv[0]), supervised
         check_args(args)
         self.args = args = resolve_args(args)  # what the flags become on this machine, decided once; `args` is this copy
+        self.engine = engine_settings(args)  # how the rollout engines generate, one object every engine receives whole
+        load_engine(self.engine)
         self.run_prefix = f"{self.algo}__{args.exp_name}__{args.seed}"
         sys.excepthook = self._report_stop
         torch.manual_seed(args.seed)
@@ -71,7 +75,7 @@ class Run:
         """The train and validation loaders (prompts, or a supervised run's transcripts; batches of `prompts_per_batch`,
         default --train-batch-size) and the scorer that checks the prompts' data sources; --total-epochs turns into
         steps here. Returns the environments of --env/--tools."""
-        from common.data import PromptLoader, load_prompts
+        from common.data import PromptLoader, load_prompts, pad_token_id
         from common.envs import episode_spec, load_environments
         from common.scoring import Scorer
         from common.transcripts import TranscriptLoader, load_transcripts
@@ -79,7 +83,7 @@ class Run:
 
         args, environments = self.args, None
         self.by_generation = None  # a supervised run's validation by generation (common/warm_start.py)
-        pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        pad = pad_token_id(self.tokenizer, self.eos_token_ids)
         loader = TranscriptLoader if self.supervised else PromptLoader
         if self.supervised:
             self.scorer, lengths = None, (args.max_prompt_length, args.max_response_length)
@@ -108,12 +112,12 @@ class Run:
                 f"{flag} is {batch_size} prompts, more than the {len(train_data)} in --train-files "
                 f"{' '.join(args.train_files)}: lower it, or add prompts"
             )
-        self.train_loader = loader(train_data, batch_size, pad_token_id, shuffle=True, seed=args.seed)
+        self.train_loader = loader(train_data, batch_size, pad, shuffle=True, seed=args.seed)
         epoch_steps = None if args.total_epochs is None else args.total_epochs * len(self.train_loader)
         if epoch_steps is not None and epoch_steps < args.total_steps:  # whichever comes first
             print(f"--total-epochs {args.total_epochs} of {len(self.train_loader)} batches each: {epoch_steps} steps")
             self.args = dataclasses.replace(args, total_steps=epoch_steps)
-        self.val_loader = loader(val_data, args.val_batch_size, pad_token_id, shuffle=False, drop_last=False)
+        self.val_loader = loader(val_data, args.val_batch_size, pad, shuffle=False, drop_last=False)
         return environments
 
     def _tracker(self):
@@ -149,11 +153,11 @@ class Run:
         if self.supervised:
             self.train_batches = self.train_loader.forever()
             if self.by_generation:
-                self.by_generation.start(self.pool, reward_workers)
+                self.by_generation.start(self.pool, reward_workers, self.engine)
         else:
-            self.scorer.start(self.pool, reward_workers)
+            self.scorer.start(self.pool, reward_workers, self.engine)
             self.rollouts = RolloutSupply(
-                args, self.tokenizer, self.eos_token_ids, self.train_loader, environments, reward_workers
+                args, self.engine, self.tokenizer, self.eos_token_ids, self.train_loader, environments, reward_workers
             )
 
     def _start_pool(self, max_colocated: int):
@@ -215,10 +219,10 @@ class Run:
     def policy(self, **settings):
         """The hybrid engine's group: the policy that trains, generates (unless --rollout-workers do), and (with LoRA)
         scores the reference."""
-        from common.workers.policy import PolicyWorker
+        from common.workers import PolicyWorker
 
         if self.supervised:  # no engine; the log-probs of the data at temperature 1
-            rollout = dict(rollout_engine=None, temperature=1.0, use_reference=False)
+            rollout = dict(engine=None, use_reference=False)
             rollout |= self.by_generation.policy_settings() if self.by_generation else {}  # an engine to validate with
         else:
             rollout = self.rollouts.policy_settings()
@@ -311,54 +315,26 @@ class Run:
 
         Stops the run after --max-bad-steps steps in a row whose updates a NaN or inf gradient skipped.
         """
-        from common.checkpoint import save_checkpoint
-        from common.episodes import episode_metrics
         from common.rewards import extra_means
         from common.tracking import timer
 
         args, step_time = self.args, time.perf_counter() - self.step_start
-        response_mask = batch["response_mask"]
-        response_lengths = response_mask.sum(-1)
-        if "entropy" in batch:  # else the update measured it
-            metrics["actor/entropy"] = ((batch["entropy"] * response_mask).sum() / response_mask.sum()).item()
-        if scores is not None:  # None: a supervised step
-            metrics["train/reward_mean"] = scores.mean().item()
+        metrics |= self._step_metrics(batch, scores, step_time)
         self.alike_steps = say_when_groups_score_alike(batch, scores, metrics, self.alike_steps)
-        metrics |= {
-            "response/length_mean": response_lengths.mean().item(),
-            "response/clip_ratio": (response_lengths == args.max_response_length).float().mean().item(),
-            "timing/step": step_time,
-            "perf/tokens_per_s": batch["attention_mask"].sum().item() / step_time,
-        }
-        if "staleness" in batch:  # updates between the weights that generated the samples and the policy's
-            staleness = batch["staleness"].float()
-            metrics |= {"rollout/staleness_mean": staleness.mean().item(), "rollout/staleness_max": staleness.max().item()}
-        if self.rollouts is not None:
-            self.rollouts.version = step  # the step's update: validation and the next generate see it
-        position, batches = self.train_loader.state_dict(), len(self.train_loader)
-        metrics["train/epoch"] = position["epoch"] + position["batch_index"] / batches  # passes over the data so far
-        if "ending" in batch:
-            metrics |= episode_metrics(batch, "env/")
         # the reward's own keys beside its counts, which keep a name both use
         extras = extra_means(batch["reward_extra"] if "reward_extra" in batch else [], "reward/")
         metrics |= {key: value for key, value in extras.items() if key not in metrics}
+        if self.rollouts is not None:
+            self.rollouts.version = step  # the step's update: validation and the next generate see it
         self.stopping = self.stop.requested
-        last = step == args.total_steps or self.stopping
         if step % args.test_freq == 0 or step == args.total_steps:
             with timer("validate", metrics):
                 val_metrics, samples = self._validate(step)
             metrics |= val_metrics
             self.tracker.log_samples(samples, step=step)
         self._record_peak_memory(metrics)
-        if step % args.save_freq == 0 or last:
-            with timer("save", metrics):
-                if self.supervised:
-                    groups, driver = self.groups, {"loader": self.train_loader.state_dict()} | driver_state
-                else:
-                    groups = self.groups | self.rollouts.groups()
-                    with timer("save_in_flight", metrics):  # the engines finish the work in flight that the checkpoint keeps
-                        driver = self.rollouts.checkpoint_state() | driver_state
-                save_checkpoint(self.tracker.run_dir, step, groups, driver, args.keep_last)
+        if step % args.save_freq == 0 or step == args.total_steps or self.stopping:
+            self._save(step, metrics, driver_state)
         self.tracker.log(metrics, step=step)
         shown = ("loss", metrics["actor/loss"]) if scores is None else ("reward", metrics["train/reward_mean"])
         self.postfix = {shown[0]: f"{shown[1]:.3f}", "step_s": f"{step_time:.2f}"}
@@ -370,6 +346,46 @@ class Run:
                 f"{self.bad_steps} steps in a row had NaN or inf gradients; their updates were skipped, so no weights "
                 "are corrupted. Check the rewards and the learning rate, then continue with --resume auto"
             )
+
+    def _step_metrics(self, batch, scores, step_time: float) -> dict:
+        """What every step logs of its batch: entropy (unless the update measured it), reward, response lengths, speed,
+        the samples' staleness, the epoch and the episodes' figures."""
+        from common.episodes import episode_metrics
+
+        metrics, response_mask = {}, batch["response_mask"]
+        response_lengths = response_mask.sum(-1)
+        if "entropy" in batch:  # else the update measured it
+            metrics["actor/entropy"] = ((batch["entropy"] * response_mask).sum() / response_mask.sum()).item()
+        if scores is not None:  # None: a supervised step
+            metrics["train/reward_mean"] = scores.mean().item()
+        metrics |= {
+            "response/length_mean": response_lengths.mean().item(),
+            "response/clip_ratio": (response_lengths == self.args.max_response_length).float().mean().item(),
+            "timing/step": step_time,
+            "perf/tokens_per_s": batch["attention_mask"].sum().item() / step_time,
+        }
+        if "staleness" in batch:  # updates between the weights that generated the samples and the policy's
+            staleness = batch["staleness"].float()
+            metrics |= {"rollout/staleness_mean": staleness.mean().item(), "rollout/staleness_max": staleness.max().item()}
+        position, batches = self.train_loader.state_dict(), len(self.train_loader)
+        metrics["train/epoch"] = position["epoch"] + position["batch_index"] / batches  # passes over the data so far
+        if "ending" in batch:
+            metrics |= episode_metrics(batch, "env/")
+        return metrics
+
+    def _save(self, step: int, metrics: dict, driver_state: dict) -> None:
+        """A checkpoint of every group and the driver's state (with engines apart, their work in flight finished)."""
+        from common.checkpoint import save_checkpoint
+        from common.tracking import timer
+
+        with timer("save", metrics):
+            if self.supervised:
+                groups, driver = self.groups, {"loader": self.train_loader.state_dict()} | driver_state
+            else:
+                groups = self.groups | self.rollouts.groups()
+                with timer("save_in_flight", metrics):  # the engines finish the work in flight that the checkpoint keeps
+                    driver = self.rollouts.checkpoint_state() | driver_state
+            save_checkpoint(self.tracker.run_dir, step, groups, driver, self.args.keep_last)
 
     def _record_peak_memory(self, metrics: dict) -> None:
         """The step's peak memory per worker method, the largest over ranks and calls (`perf/peak_memory_gb/policy/

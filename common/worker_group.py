@@ -226,6 +226,15 @@ class Worker:
 
     collective_timeout = datetime.timedelta(minutes=30)  # torch's default, until the driver says (watched)
 
+    def join_process_group(self, master: tuple[str, int]) -> None:
+        """This rank's torch.distributed group with the other ranks of its worker group, met at `master` (NCCL on
+        GPUs, gloo on CPUs), whose collectives give up after collective_timeout."""
+        import torch.distributed as dist
+
+        (addr, port), backend = master, "nccl" if self.device.type == "cuda" else "gloo"
+        address, timeout = f"tcp://{addr}:{port}", self.collective_timeout
+        dist.init_process_group(backend, init_method=address, rank=self.rank, world_size=self.world_size, timeout=timeout)
+
     def watched(self, collective_timeout_s: float) -> tuple[str, int, str]:
         """Ready this rank for a driver that finds it not answering: its process groups' collectives give up after
         `collective_timeout_s`, and SIGUSR1 writes every thread's stack to a file (faulthandler: from the signal

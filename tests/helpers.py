@@ -34,8 +34,8 @@ from common.layouts import response_outputs, rows_of
 from common.log_probs import response_log_probs
 from common.memory import measured
 from common.rewards import response_texts, score_texts
-from common.workers.critic import CriticWorker
-from common.workers.policy import PolicyWorker
+from common.workers import CriticWorker
+from common.workers import PolicyWorker
 
 # The probes travel to the workers by value: the workers have no tests folder to import them from.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -72,10 +72,8 @@ def start_script(script: str, *flags, cwd, env=None) -> "subprocess.Popen | Serv
     `env` (variables a library may read as it is imported), a new interpreter."""
     args = [sys.executable, str(ROOT / "algos" / script), *flags]
     if env:
-        return subprocess.Popen(
-            args, cwd=cwd, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            start_new_session=True,
-        )  # fmt: skip
+        pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(args, cwd=cwd, env={**os.environ, **env}, **pipes, start_new_session=True)
     return ServedRun(script_server(), args, cwd)
 
 
@@ -268,6 +266,13 @@ class Probe:
     def set(self, **settings) -> None:
         for name, value in settings.items():
             setattr(self, name, value)
+
+    def set_temperature(self, temperature: float) -> None:
+        """Sample at `temperature` and compute log-probs at it, as a run with --temperature does."""
+        import dataclasses
+
+        self.temperature = temperature
+        self.engine_settings = dataclasses.replace(self.engine_settings, temperature=temperature)
 
     def get(self, name: str):
         return getattr(self, name)

@@ -5,7 +5,9 @@ import json
 
 import pytest
 
-from common.args import RunArgs, check_args, check_reward_model, count_workers, flag_name, load_tokenizer
+from common.args import RunArgs, check_args, count_workers, flag_name
+from common.pretrained import load_tokenizer
+from common.reward_model import check_reward_model
 
 
 def args_with(**changes) -> RunArgs:

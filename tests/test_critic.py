@@ -9,7 +9,7 @@ from ray import cloudpickle
 import ppo_hybrid
 from common.data import collate, load_prompts
 from common.worker_group import WorkerGroup
-from common.workers.policy import PolicyWorker
+from common.workers import PolicyWorker
 from helpers import CriticProbe, assert_same_adamw_steps
 
 cloudpickle.register_pickle_by_value(ppo_hybrid)

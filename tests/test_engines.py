@@ -1,22 +1,26 @@
 """An engine written here, registered through common.engines, generates in a policy worker group (real Ray actors on 2
-CPU ranks, the tiny model): no other room knows its name."""
+CPU ranks, the tiny model): no other room knows its name. An engine in a file of its own (engine_in_a_file.py) runs
+the scripts, named on the command line alone."""
 
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from ray import cloudpickle
 
-from common import engines
-from common.engines import EngineContext, check_engine, register_engine
-from common.hf_engine import HFRollout
+from common import engine_registry
+from common.engine_registry import check_engine, register_engine
+from common.engines import EngineContext, EngineSettings
+from common.hf_engine import HFEngine
 from common.worker_group import WorkerGroup
-from helpers import PolicyProbe
+from helpers import TINY, PolicyProbe, metrics_of, run_script
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the engine and its worker travel by value
 
 
-class RecordingEngine(HFRollout):
+class RecordingEngine(HFEngine):
     """The hf engine, recording each batch it is asked for and what it returned."""
 
     def __init__(self, context: EngineContext):
@@ -35,14 +39,14 @@ class RecordingPolicy(PolicyProbe):
         super().setup(master, model_path, **settings)
 
     def engine_calls(self) -> list:
-        return self.rollout.calls
+        return self.engine.calls
 
 
 @pytest.fixture
 def registry(monkeypatch):
     """The registry as it was, whatever the test registers."""
-    monkeypatch.setattr(engines, "ENGINES", dict(engines.ENGINES))
-    monkeypatch.setattr(engines, "ADAPTER_RULES", dict(engines.ADAPTER_RULES))
+    for table in ("ENGINES", "ADAPTER_RULES", "CHECKS"):
+        monkeypatch.setattr(engine_registry, table, dict(getattr(engine_registry, table)))
 
 
 def test_a_registered_engine_generates_in_the_policy_workers(registry, cpu_pool, tiny_model, prompts, tokenizer):
@@ -52,8 +56,8 @@ def test_a_registered_engine_generates_in_the_policy_workers(registry, cpu_pool,
     check_engine("recording")  # --rollout-engine recording now passes the start-up check
     with pytest.raises(ValueError, match="rollout engine 'sglang' is not available; use 'hf' or 'vllm' or 'recording'"):
         check_engine("sglang")
-    assert not engines.engine_serves_adapter("recording", True, "auto", True)
-    group = WorkerGroup(RecordingPolicy, cpu_pool, "recording", model_path=tiny_model, rollout_engine="recording")
+    assert not engine_registry.engine_serves_adapter("recording", True, "auto", True)
+    group = WorkerGroup(RecordingPolicy, cpu_pool, "recording", model_path=tiny_model, engine=EngineSettings(name="recording"))
     try:
         batch = group.scatter("generate", prompts.select("prompts", "prompt_mask"), max_response_length=4)
         calls = [call for rank in group.broadcast("engine_calls") for call in rank]
@@ -70,3 +74,31 @@ def test_a_registered_engine_generates_in_the_policy_workers(registry, cpu_pool,
         assert torch.equal(responses[mask], generated[:kept][mask])  # what the engine returned is what the batch holds
         start += kept
     assert start == len(prompts)
+
+
+@pytest.mark.parametrize(
+    "flags, asked",
+    [
+        (["--num-workers", "2"], {"batch"}),
+        (["--num-workers", "2", "--env", "calculator"], {"turn"}),
+        (["--num-workers", "1", "--rollout-workers", "1", "--max-staleness", "1"], {"batch"}),
+    ],
+    ids=["single-turn", "episodes", "apart-and-stale"],
+)
+def test_an_engine_in_a_file_runs_a_script_named_on_the_command_line_alone(ray_cluster, demo_files, tmp_path, flags, asked):
+    engine = Path(shutil.copy(Path(__file__).with_name("engine_in_a_file.py"), tmp_path))
+    name = f"{engine}:TallyingEngine"
+    result = run_script("grpo_hybrid.py", *TINY, "--total-steps", "2", "--rollout-engine", name, *flags, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, rows = metrics_of(tmp_path)
+    assert rows[-1]["step"] == 2 and all(row["response/length_mean"] > 0 for row in rows if "response/length_mean" in row)
+    tally = [line.split() for line in engine.with_suffix(".tally").read_text().splitlines()]
+    assert {kind for kind, _ in tally} == asked  # every rollout came from the engine in the file
+    assert len({process for _, process in tally}) == (1 if "--rollout-workers" in flags else 2)  # in each engine's process
+
+
+def test_an_engine_named_by_a_file_that_lacks_it_stops_the_run_before_any_worker(demo_files, tmp_path):
+    (tmp_path / "empty.py").write_text("")
+    for name, message in [(f"{tmp_path}/none.py:Engine", "no file"), (f"{tmp_path}/empty.py:Engine", "defines no Engine")]:
+        result = run_script("grpo_hybrid.py", *TINY, "--total-steps", "1", "--rollout-engine", name, cwd=tmp_path)
+        assert result.returncode != 0 and message in result.stderr, result.stderr[-3000:]

@@ -220,8 +220,9 @@ def test_a_killed_rollout_worker_names_it_and_leaves_the_checkpoint_whole(ray_cl
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
-def test_an_asynchronous_run_stopped_by_sigterm_then_killed_resumes_as_if_never_stopped(ray_cluster, demo_files, tmp_path,
-                                                                                        algo):  # fmt: skip
+def test_an_asynchronous_run_stopped_by_sigterm_then_killed_resumes_as_if_never_stopped(
+    ray_cluster, demo_files, tmp_path, algo
+):
     """An asynchronous run (the engine a step ahead) stopped by SIGTERM after its first step saves the batch the engine
     had generated and no step trained on, with the engine's randomness; its resume, killed with SIGKILL once it logged
     step 5 (in step 6's update), resumes again from its last checkpoint, step 4 (saved every second step): step 5 runs
@@ -390,12 +391,12 @@ def test_a_rank_that_stops_answering_is_named_with_its_stack_or_as_stopped(cpu_p
         assert time.monotonic() - start < 10
         message = str(stuck.value)
         assert message.startswith("sleepers worker rank 1 stopped answering during 'sleep': no answer in 1 s (the bound: 5 x")
-        assert re.search(r"rank 1's process \(\d+\) stands at \(every thread's stack in \S+\):\n +File \S+test_faults.py\", "
-                         r"line \d+ in sleep", message), message  # fmt: skip
+        where = r"rank 1's process \(\d+\) stands at \(every thread's stack in \S+\):\n +File \S+test_faults.py\", "
+        assert re.search(where + r"line \d+ in sleep", message), message
         _, pid, _ = group.processes[1]
         os.kill(pid, signal.SIGSTOP)
-        with pytest.raises(WorkerStopped, match=r"rank 1 stopped answering during 'sleep'.*rank 1's process \(\d+\) is "
-                           r"stopped \(SIGSTOP, or a debugger holds it\), so it cannot say where"):  # fmt: skip
+        stopped = r"rank 1 stopped answering during 'sleep'.*rank 1's process \(\d+\) is stopped \(SIGSTOP, or a debugger"
+        with pytest.raises(WorkerStopped, match=stopped + r" holds it\), so it cannot say where"):
             group.broadcast("sleep", 0.0, 1)
     finally:
         group.shutdown()
@@ -413,8 +414,8 @@ def test_a_pool_the_cluster_cannot_give_says_so_then_gives_up(ray_cluster, capsy
     ray.get(other_job.ready())
     try:
         start = time.monotonic()
-        with pytest.raises(RuntimeError, match=r"no 1 x \{'CPU': 1\} for the workers from the Ray cluster, .* after 3 s "
-                           r"\(30 x --call-timeout\): free them, or lower --num-workers"):  # fmt: skip
+        refused = r"no 1 x \{'CPU': 1\} for the workers from the Ray cluster, .* after 3 s \(30 x --call-timeout\): "
+        with pytest.raises(RuntimeError, match=refused + "free them, or lower --num-workers"):
             ResourcePool(1, use_gpu=False, call_timeout=0.1)
         assert time.monotonic() - start < 10
         assert "waiting for 1 x {'CPU': 1} for the workers from the Ray cluster" in capsys.readouterr().out
@@ -438,8 +439,8 @@ def stopped_and_reported(tmp_path, group: str, actor: str, *flags, algo="grpo"):
     stop = rf"the {group} worker rank \d stopped answering during '\w+': no answer in \d+ s \(.*--call-timeout 10 s\)"
     state = rf"; it did not die: rank \d's process \({worker.pid}\) is stopped \(SIGSTOP"
     assert re.search(stop + state, stderr), stderr[-3000:]
-    assert re.search(r"the last complete checkpoint is \S+/checkpoints/step_\d+ \(step \d+\)\ncontinue with:\n  .+ "
-                     r"--resume auto\n", stderr), stderr  # fmt: skip
+    told = r"the last complete checkpoint is \S+/checkpoints/step_\d+ \(step \d+\)\ncontinue with:\n  .+ --resume auto\n"
+    assert re.search(told, stderr), stderr
     assert time.monotonic() - stopped < 90
 
 

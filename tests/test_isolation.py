@@ -25,7 +25,7 @@ def imports_of(path: Path) -> set[str]:
 
 
 def module_name(path: Path) -> str:
-    """common/envs.py: 'envs'; common/workers/policy.py: 'workers.policy'; common/workers/__init__.py: 'workers'."""
+    """common/envs.py: 'envs'; a package's common/x/__init__.py: 'x'."""
     parts = path.relative_to(COMMON).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 

@@ -11,10 +11,11 @@ from helpers import SMALL_RUN, metrics_of, run_script, stop_in_process
 
 from common.data import collate
 from common.dataproto import DataProto
+from common.engines import EngineSettings
 from common.judge import Judge, load_template, parse_verdict, probability_verdicts, question, question_ids, verdict_token_ids
 from common.rollout import response_batch
 from common.worker_group import WorkerGroup
-from common.workers.judge import JudgeWorker
+from common.workers import JudgeWorker
 
 TEMPLATE_FILE = str(Path(__file__).resolve().parents[1] / "examples" / "judge" / "correct_answer.txt")  # docs/rewards.md's
 TEMPLATE = load_template(TEMPLATE_FILE)
@@ -145,8 +146,8 @@ def test_a_vllm_judge_answers_greedily_with_the_weights_it_loaded(cpu_pool, smol
     judge = AutoTokenizer.from_pretrained(smollm2)
     rows = [("2+2=", "4", 4), ("7+8=", "16", 15)]
     ids = [question_ids(question(TEMPLATE, [{"role": "user", "content": p}], r, t), judge) for p, r, t in rows]
-    engine = dict(rollout_engine="vllm", rollout_dtype="float32", max_model_len=256)
-    group = WorkerGroup(JudgeWorker, cpu_pool, "judge", model_path=smollm2, compute_dtype="float32", **engine)
+    engine = EngineSettings(name="vllm", dtype="float32", max_model_len=256)
+    group = WorkerGroup(JudgeWorker, cpu_pool, "judge", model_path=smollm2, compute_dtype="float32", engine=engine)
     try:
         prompts = collate(DataProto.from_dict(non_tensors={"prompt_ids": ids}), judge.pad_token_id)
         answered = group.scatter("generate", prompts.select("prompts", "prompt_mask"), max_response_length=8, do_sample=False)

@@ -9,8 +9,8 @@ import torch
 from ray import cloudpickle
 
 from common.worker_group import WorkerGroup
-from common.workers.critic import CriticWorker
-from common.workers.policy import PolicyWorker
+from common.workers import CriticWorker
+from common.workers import PolicyWorker
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

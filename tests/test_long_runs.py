@@ -18,7 +18,7 @@ from common.dataproto import DataProto
 from common.isolation import InProcessCalls
 from common.rewards import REWARD_CALLS
 from common.worker_group import WorkerDied, WorkerGroup
-from common.workers.policy import PolicyWorker
+from common.workers import PolicyWorker
 from helpers import (
     ROOT,
     TINY,

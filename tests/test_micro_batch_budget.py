@@ -16,7 +16,7 @@ from common.dataproto import DataProto
 from common.memory import machine_memory_bytes, restart_peak_memory
 from common.micro_batch_budget import PER_TOKEN_MARGIN, token_budget
 from common.worker_group import WorkerGroup
-from common.workers.policy import PolicyWorker
+from common.workers import PolicyWorker
 
 cloudpickle.register_pickle_by_value(grpo_hybrid)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

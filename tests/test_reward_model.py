@@ -9,7 +9,7 @@ from helpers import SMALL_RUN, metrics_of, run_script, stop_in_process
 
 from common.reward_model import combine, conversation_text, render_conversations, reward_model_batch
 from common.worker_group import WorkerGroup
-from common.workers.reward_model import RewardModelWorker
+from common.workers import RewardModelWorker
 
 MESSAGES = [[{"role": "user", "content": f"{a}+{b}="}] for a, b in [(3, 4), (1, 2), (9, 9), (0, 5), (7, 1)]]
 RESPONSES = ["7", "3;maybe", "", "x" * 12, "8"]

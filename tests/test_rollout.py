@@ -1,4 +1,4 @@
-"""common/rollout.py's hf engine: a prompt its samples share is computed once and generates as a full pass does; each
+"""common/hf_engine.py: a prompt its samples share is computed once and generates as a full pass does; each
 token is drawn at its probability."""
 
 import torch
@@ -6,7 +6,7 @@ from transformers import GenerationConfig, LogitsProcessorList
 
 from common.data import collate
 from common.dataproto import DataProto
-from common.hf_engine import HFRollout, InverseCDFSample, SampledLogProbs, shared_prompt_cache
+from common.hf_engine import HFEngine, InverseCDFSample, SampledLogProbs, shared_prompt_cache
 from helpers import local_model
 
 
@@ -21,7 +21,7 @@ def test_a_prompt_shared_by_its_samples_runs_once_and_generates_the_tokens_of_a_
     hook = model.register_forward_pre_hook(
         lambda module, args, kwargs: shapes.append(kwargs["input_ids"].shape), with_kwargs=True
     )
-    rollout = HFRollout(model, tokenizer, [tokenizer.eos_token_id], pad)
+    rollout = HFEngine(model, tokenizer, [tokenizer.eos_token_id], pad)
     responses, log_probs = rollout.generate(prompts, mask, 8, do_sample=False, temperature=1.0, top_p=1.0, top_k=0)
     hook.remove()
     assert shapes[0] == (3, width - 1)  # every prompt token but the last, once per distinct prompt
@@ -64,8 +64,8 @@ def test_an_episodes_next_turn_starts_from_its_kept_keys_and_values_and_generate
             engine.add_request(key, context, 6, **greedy)
         return {key: rest for key, *rest in engine.finished_requests()}
 
-    engine = HFRollout(model, tokenizer, eos, pad)
-    engine.open_requests()
+    engine = HFEngine(model, tokenizer, eos, pad)
+    engine.wake()
     first = turns(engine, {f"play/{i}": prompt for i, prompt in enumerate(prompts)})
     answers = [tokenizer(text, add_special_tokens=False).input_ids for text in ["=46;", "56;", "=101;"]]
     kept = [len(first[f"play/{i}"][0]) for i in range(2)] + [2]  # the third episode's turn cut after 2 tokens
@@ -79,20 +79,46 @@ def test_an_episodes_next_turn_starts_from_its_kept_keys_and_values_and_generate
     assert [second[f"play/{i}"][2] for i in range(2)] == [len(answers[i]) + 1 for i in range(2)]
     assert second["play/2"][2] <= len(answers[2]) + kept[2]
 
-    fresh = HFRollout(model, tokenizer, eos, pad)  # nothing kept: every context computed whole
-    fresh.open_requests()
+    fresh = HFEngine(model, tokenizer, eos, pad)  # nothing kept: every context computed whole
+    fresh.wake()
     whole = turns(fresh, second_contexts)
     assert [whole[key][2] for key in second_contexts] == [len(context) for context in second_contexts.values()]
     for key in second_contexts:
         assert second[key][0] == whole[key][0]
         # fp32 both ways; keys and values computed in other batches and shapes: rounding alone differs
         torch.testing.assert_close(torch.tensor(second[key][1]), torch.tensor(whole[key][1]), atol=1e-5, rtol=0)
-    engine.close_requests("play/", last=True)
+    engine.forget("play/")
+    engine.sleep()
     assert engine.held == {}
 
-    tight = HFRollout(model, tokenizer, eos, pad)  # no memory to keep anything in: each turn computes its whole context
-    tight.open_requests()
+    tight = HFEngine(model, tokenizer, eos, pad)  # no memory to keep anything in: each turn computes its whole context
+    tight.wake()
     tight.held_budget = 0
     turns(tight, {f"play/{i}": prompt for i, prompt in enumerate(prompts)})
     assert tight.held == {}
     assert [turn[2] for turn in turns(tight, second_contexts).values()] == [len(c) for c in second_contexts.values()]
+
+
+def test_a_model_saved_without_its_cache_generates_with_it_whatever_its_folder_says(tiny_model, tokenizer, tmp_path):
+    """A folder saved for training elsewhere (TRL writes `use_cache: false` into config.json) generates one new token
+    a forward after the prompt, as an export of this project does, and the same tokens."""
+    import json
+    import shutil
+
+    folder = tmp_path / "trained_elsewhere"
+    shutil.copytree(tiny_model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"use_cache": False}))
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    prompts = collate(DataProto.from_dict(non_tensors={"prompt_ids": [tokenizer("12+34=").input_ids]}), 0)
+    greedy = dict(do_sample=False, temperature=1.0, top_p=1.0, top_k=0)
+    responses = []
+    for path in (tiny_model, folder):
+        model = local_model(path).eval()
+        widths = []
+        width = lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1])  # noqa: E731
+        model.register_forward_pre_hook(width, with_kwargs=True)
+        engine = HFEngine(model, tokenizer, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+        responses.append(engine.generate(prompts["prompts"], prompts["prompt_mask"], 8, **greedy)[0])
+        assert len(widths) > 1 and widths[1:] == [1] * (len(widths) - 1), (path, widths)  # then the new token alone
+    assert torch.equal(responses[0], responses[1])

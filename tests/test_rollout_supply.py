@@ -5,23 +5,24 @@ import numpy as np
 import pytest
 import torch
 
-from common.args import RunArgs
+from common.args import RunArgs, engine_settings
 from common.data import PromptLoader, load_prompts
 from common.rollout_supply import RolloutSupply
 from common.worker_group import WorkerGroup
-from common.workers.policy import PolicyWorker
+from common.workers import PolicyWorker
 
 
 def supply_of(demo_files, tokenizer, **changes) -> RolloutSupply:
     """A supply of the demo's prompts, 4 a batch, with no environment."""
     args = RunArgs(train_files=[demo_files[1]], max_prompt_length=8, max_response_length=4, train_batch_size=4, **changes)
     loader = PromptLoader(load_prompts(args.train_files, tokenizer, 8), 4, tokenizer.pad_token_id, shuffle=True, seed=1)
-    return RolloutSupply(args, tokenizer, [tokenizer.eos_token_id], loader, None, 0)
+    return RolloutSupply(args, engine_settings(args), tokenizer, [tokenizer.eos_token_id], loader, None, 0)
 
 
 def test_the_policy_generates_unless_engines_apart_do(demo_files, tokenizer):
-    assert supply_of(demo_files, tokenizer).policy_settings()["rollout_engine"] == "hf"
-    assert supply_of(demo_files, tokenizer, rollout_workers=1).policy_settings()["rollout_engine"] is None
+    assert supply_of(demo_files, tokenizer).policy_settings()["generates"]
+    apart = supply_of(demo_files, tokenizer, rollout_workers=1).policy_settings()
+    assert not apart["generates"] and apart["engine"].temperature == 1.0  # the policy's log-probs still at it
     assert supply_of(demo_files, tokenizer).groups() == {}
 
 

@@ -120,10 +120,8 @@ def test_sft_learns_and_its_export_starts_grpo(ray_cluster, tiny_model, demo_fil
     flags = ["--train-batch-size", "16", "--mini-batch-size", "8", "--total-steps", "6", "--test-freq", "6"]
     data = ["--train-files", str(tmp_path / "train.jsonl"), "--val-files", str(tmp_path / "val.jsonl")]
     (tmp_path / "sft").mkdir()
-    sft = run_script(
-        "sft_hybrid.py", "--model-path", str(model), "--chat-template", str(template), *data, *sizes, *flags, "--lr", "3e-3",
-        "--num-workers", "2", cwd=tmp_path / "sft",
-    )  # fmt: skip
+    model_flags = ["--model-path", str(model), "--chat-template", str(template), "--lr", "3e-3", "--num-workers", "2"]
+    sft = run_script("sft_hybrid.py", *model_flags, *data, *sizes, *flags, cwd=tmp_path / "sft")
     assert sft.returncode == 0, sft.stderr[-3000:]
     run_dir, rows = metrics_of(tmp_path / "sft")
     losses = [row["actor/loss"] for row in rows if "actor/loss" in row]
@@ -134,11 +132,9 @@ def test_sft_learns_and_its_export_starts_grpo(ray_cluster, tiny_model, demo_fil
 
     (tmp_path / "grpo").mkdir()
     rl = ["--train-files", demo_files[1], "--total-steps", "1", "--train-batch-size", "4", "--mini-batch-size", "4"]
-    grpo = run_script(
-        "grpo_hybrid.py", "--model-path", str(run_dir / "model"), *rl, "--n", "2", "--max-prompt-length", "16",
-        "--max-response-length", "4", "--test-freq", "100", "--no-val-before-train", "--num-workers", "2",
-        cwd=tmp_path / "grpo",
-    )  # fmt: skip
+    rl += ["--n", "2", "--max-prompt-length", "16", "--max-response-length", "4", "--test-freq", "100"]
+    rl += ["--no-val-before-train", "--num-workers", "2"]
+    grpo = run_script("grpo_hybrid.py", "--model-path", str(run_dir / "model"), *rl, cwd=tmp_path / "grpo")
     assert grpo.returncode == 0, grpo.stderr[-3000:]
     assert metrics_of(tmp_path / "grpo")[1][-1]["step"] == 1
 

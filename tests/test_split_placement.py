@@ -16,10 +16,11 @@ import torch
 from ray import cloudpickle
 
 from common.checkpoint import complete_checkpoints
+from common.engines import EngineSettings
 from common.rollout_correction import check_probe
 from common.weight_sync import engine_weights, send_tensors
 from common.worker_group import ResourcePool, WorkerGroup, wait_all
-from common.workers.rollout import RolloutWorker
+from common.workers import RolloutWorker
 from helpers import (
     FP32_GAP,
     LOG_PROB_INPUTS,
@@ -40,18 +41,16 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 @contextmanager
-def placed(cpu_pool, model_path, engines, rollout_engine, adapter=False, policy_cls=PolicyProbe, engine_cls=RolloutWorker,
-           **policy_settings):  # fmt: skip
+def placed(cpu_pool, model_path, engines, name, adapter=False, policy_cls=PolicyProbe, engine_cls=RolloutWorker, **policy):
     """A policy group with no engine of its own, `engines` rollout workers on CPU bundles of their own, and the weight
     group between them."""
-    policy = WorkerGroup(
-        policy_cls, cpu_pool, "split_policy", model_path=model_path, rollout_engine=None, lr=1e-2, weight_decay=0.0,
-        micro_batch_size=10, **policy_settings,
-    )  # fmt: skip
+    policy = dict(model_path=model_path, generates=False, lr=1e-2, weight_decay=0.0, micro_batch_size=10) | policy
+    policy = WorkerGroup(policy_cls, cpu_pool, "split_policy", **policy)
     pool = ResourcePool(engines, use_gpu=False)
     adapter_config = policy.broadcast("adapter_config")[0] if adapter else None
-    settings = dict(rollout_engine=rollout_engine, rollout_dtype="float32", max_model_len=16, compute_dtype="float32")
-    group = WorkerGroup(engine_cls, pool, "split_engines", model_path=model_path, adapter_config=adapter_config, **settings)
+    engine = EngineSettings(name=name, dtype="float32", max_model_len=16, compute_dtype="float32")
+    settings = dict(model_path=model_path, adapter_config=adapter_config, engine=engine)
+    group = WorkerGroup(engine_cls, pool, "split_engines", **settings)
     try:
         address, size = policy.broadcast("master_address")[0], engines + 1
         wait_all(policy.submit("join_weight_group", address, size), group.submit("join_weight_group", address, size))
@@ -134,7 +133,7 @@ class BucketedPolicy(PolicyProbe):
 
 class InspectedEngine(RolloutWorker):
     def weights(self) -> dict:
-        return {name: param.detach().clone() for name, param in self.rollout.policy.named_parameters(remove_duplicate=False)}
+        return {name: param.detach().clone() for name, param in self.engine.policy.named_parameters(remove_duplicate=False)}
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full-weights", "lora-merged"])

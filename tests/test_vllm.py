@@ -15,6 +15,7 @@ import torch
 from ray import cloudpickle
 
 import grpo_hybrid
+from common.engines import EngineSettings
 from common.env_processes import EnvsInProcess
 from common.envs import Environments
 from common.memory import machine_memory_bytes
@@ -52,23 +53,23 @@ class EngineProbe(PolicyProbe):
                     local.copy_(0.3 * torch.randn(local.shape, generator=generator))
 
     def served_adapters(self) -> tuple[int, list[str]]:
-        return self.rollout.lora_request.lora_int_id, sorted(os.listdir(self.rollout.adapter_dir))
+        return self.engine.lora_request.lora_int_id, sorted(os.listdir(self.engine.adapter_dir))
 
     def sync_without(self, dropped: str) -> None:
-        self.rollout.load_weights((name, tensor) for name, tensor in engine_weights(self.model) if name != dropped)
+        self.engine.load_weights((name, tensor) for name, tensor in engine_weights(self.model) if name != dropped)
 
     def generate_without_sync(self, data, **sampling):
         """Generate from whatever weights the engine holds, as a broken sync would leave it."""
-        self.rollout.sync_weights = lambda: None
+        self.engine.sync_weights = lambda: None
         try:
             return self.generate(data, **sampling)
         finally:
-            del self.rollout.sync_weights
+            del self.engine.sync_weights
 
 
-def vllm_policy(pool, model_path, name, rollout_dtype="float32", **settings):
-    engine = dict(rollout_engine="vllm", rollout_dtype=rollout_dtype, max_model_len=16)
-    return WorkerGroup(EngineProbe, pool, name, model_path=model_path, **engine, **settings)
+def vllm_policy(pool, model_path, name, rollout_dtype="float32", lora_sync="auto", **settings):
+    engine = EngineSettings(name="vllm", dtype=rollout_dtype, max_model_len=16, lora_sync=lora_sync)
+    return WorkerGroup(EngineProbe, pool, name, model_path=model_path, engine=engine, **settings)
 
 
 def rollout(policy, prompts, n=4, method="generate"):
@@ -88,11 +89,11 @@ def policy(cpu_pool, tiny_model):
 
 
 def test_engine_samples_aligned_responses_with_the_trainers_log_probs(policy, prompts, tokenizer):
-    policy.broadcast("set", temperature=2.0)  # the engine applies the temperature, as the trainer does
+    policy.broadcast("set_temperature", 2.0)  # the engine applies the temperature, as the trainer does
     try:
         batch = rollout(policy, prompts)
     finally:
-        policy.broadcast("set", temperature=1.0)
+        policy.broadcast("set_temperature", 1.0)
     assert len(batch) == 20
     prompt_length = prompts["prompts"].shape[1]
     assert torch.equal(batch["input_ids"][:, :prompt_length], prompts.repeat(4)["prompts"])

@@ -13,7 +13,8 @@ import dapo_hybrid
 import grpo_hybrid
 from common.data import load_prompts
 from common.fsdp_worker import lr_factor
-from common.rollout import check_rollout
+from common.engine_registry import check_rollout
+from common.engines import EngineSettings
 from common.worker_group import WorkerGroup
 from helpers import LOG_PROB_INPUTS, PolicyProbe, assert_same_adamw_steps, local_log_probs, local_model
 
@@ -85,12 +86,12 @@ def test_dispatch_reassembles_log_probs_exactly(policy, prompts, tiny_model):
 def test_rollout_log_probs_are_the_sampling_distribution(policy, prompts):
     """The engine's own log-prob of each sampled token, at the sampling temperature, equals the trainer's."""
     batch = prompts.repeat(4)
-    policy.broadcast("set", temperature=2.0)
+    policy.broadcast("set_temperature", 2.0)
     try:
         batch |= policy.scatter("generate", batch.select("prompts", "prompt_mask"), max_response_length=4)
         result = policy.scatter("compute_log_prob", batch.select(*LOG_PROB_INPUTS))
     finally:
-        policy.broadcast("set", temperature=1.0)
+        policy.broadcast("set_temperature", 1.0)
     mask = batch["response_mask"].bool()
     rollout_log_probs = batch["rollout_log_probs"]
     torch.testing.assert_close(rollout_log_probs[mask], result["old_log_probs"][mask], rtol=1e-5, atol=1e-5)
@@ -357,9 +358,8 @@ def test_validation_with_n_samples_reports_mean_and_pass_at_n(policy, demo_files
 
 @pytest.mark.parametrize("setting", [dict(offload=True), dict(lora_sync="merged"), dict(lora_sync="adapter")])
 def test_vllm_only_settings_are_refused_with_the_hf_engine(setting):
-    settings = dict(offload=False, lora_sync="auto") | setting
     with pytest.raises(ValueError, match="act on the vllm engine only"):
-        check_rollout("hf", 1.0, 1.0, 0, **settings)
+        check_rollout(EngineSettings(name="hf", **setting))
 
 
 def test_lr_factor_warms_up_then_decays_along_a_cosine_to_zero():

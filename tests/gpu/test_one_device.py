@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from common.attention import ATTENTION, CPU_WIDTH, GPU_WIDTH, VARLEN
 from common.dataproto import DataProto
 from common.memory import measured
-from common.workers.policy import PolicyWorker
+from common.workers import PolicyWorker
 
 LOG_PROB_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
 GRPO_LOSS = partial(grpo_hybrid.actor_loss, args=grpo_hybrid.Args(kl_loss_coef=0.0))

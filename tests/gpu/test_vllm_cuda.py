@@ -19,8 +19,9 @@ from ray import cloudpickle  # noqa: E402
 
 import grpo_hybrid  # noqa: E402
 from common.data import collate, load_prompts  # noqa: E402
+from common.engines import EngineSettings  # noqa: E402
 from common.worker_group import ResourcePool, WorkerGroup  # noqa: E402
-from common.workers.policy import PolicyWorker  # noqa: E402
+from common.workers import PolicyWorker  # noqa: E402
 
 cloudpickle.register_pickle_by_value(grpo_hybrid)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -34,10 +35,10 @@ class MemoryProbe(PolicyWorker):
     def free_memory_asleep_and_awake(self) -> tuple[int, int]:
         torch.cuda.synchronize()
         asleep = torch.cuda.mem_get_info()[0]
-        self.rollout.llm.wake_up()  # its weights and its KV cache
+        self.engine.llm.wake_up()  # its weights and its KV cache
         torch.cuda.synchronize()
         awake = torch.cuda.mem_get_info()[0]
-        self.rollout.llm.sleep(level=self.rollout.sleep_level)
+        self.engine.llm.sleep(level=self.engine.sleep_level)
         return asleep, awake
 
 
@@ -68,9 +69,9 @@ def prompts(demo_files, tokenizer):
     return collate(load_prompts([demo_files[1]], tokenizer, max_prompt_length=8)[:16], tokenizer.pad_token_id)
 
 
-def vllm_policy(pool, model_path, name, worker=PolicyWorker, **settings):
-    engine = dict(rollout_engine="vllm", rollout_gpu_memory_utilization=0.25, max_model_len=64, micro_batch_size=16)
-    return WorkerGroup(worker, pool, name, model_path=model_path, **engine, **settings)
+def vllm_policy(pool, model_path, name, worker=PolicyWorker, offload=False, **settings):
+    engine = EngineSettings(name="vllm", gpu_memory_utilization=0.25, max_model_len=64, offload=offload)
+    return WorkerGroup(worker, pool, name, model_path=model_path, engine=engine, micro_batch_size=16, **settings)
 
 
 def rollout(policy, prompts, **sampling):

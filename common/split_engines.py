@@ -1,6 +1,6 @@
 """Rollout engines apart from the policy (split placement, --rollout-workers), and what they were asked, in order.
 
-The engines (`RolloutWorker`, common/workers/rollout.py) run each call in the order it was made, so a queue of those calls on
+The engines (`RolloutWorker`, common/workers.py) run each call in the order it was made, so a queue of those calls on
 the driver mirrors theirs: new weights (the policy's rank 0 sends them from a copy, in a thread, see
 PolicyWorker.send_weights) and batches to generate. A batch asked after some weights is generated from them, and
 tagged with their version. After each weight sync every engine scores a probe that the trainer scored with the same
@@ -20,8 +20,8 @@ from common.memory import record_peak_memory
 from common.rollout import response_batch
 from common.rollout_correction import check_probe
 from common.worker_group import Pending, ResourcePool, WorkerGroup, wait_all
-from common.workers.policy import LOG_PROB_INPUTS
-from common.workers.rollout import RolloutWorker
+from common.workers import LOG_PROB_INPUTS
+from common.workers import RolloutWorker
 
 
 class SplitEngines:
@@ -29,15 +29,27 @@ class SplitEngines:
 
     `probe`: a sequence (a response_batch row) that the trainer and the engines score after every sync;
     `logprob_bound`: the largest mean gap between them (--max-rollout-logprob-diff); `sends_adapter`: the engines
-    serve the policy's LoRA adapter, sent alone, rather than receiving every weight.
+    serve the policy's LoRA adapter, sent alone, rather than receiving every weight; `engine`: how they generate
+    (EngineSettings), each from `model_path`'s weights until the policy's first arrive.
     """
 
-    def __init__(self, policy, count: int, use_gpu: bool, probe: DataProto, logprob_bound: float, sends_adapter: bool,
-                 **engine_settings):  # fmt: skip
+    def __init__(
+        self,
+        policy,
+        count: int,
+        use_gpu: bool,
+        probe: DataProto,
+        logprob_bound: float,
+        sends_adapter: bool,
+        engine,
+        model_path: str,
+        call_timeout: float,
+    ):
         self.policy, self.probe, self.logprob_bound, self.sends_adapter = policy, probe, logprob_bound, sends_adapter
-        self.pool = ResourcePool(count, use_gpu, call_timeout=engine_settings["call_timeout"])
+        self.pool = ResourcePool(count, use_gpu, call_timeout=call_timeout)
         adapter_config = policy.broadcast("adapter_config")[0] if sends_adapter else None
-        self.group = WorkerGroup(RolloutWorker, self.pool, "rollout", adapter_config=adapter_config, **engine_settings)
+        settings = dict(engine=engine, model_path=model_path, adapter_config=adapter_config)
+        self.group = WorkerGroup(RolloutWorker, self.pool, "rollout", call_timeout, **settings)
         self.dtype = self.group.broadcast("weight_dtype")[0]  # what the policy sends the weights in
         address, size = policy.broadcast("master_address")[0], count + 1
         wait_all(policy.submit("join_weight_group", address, size), self.group.submit("join_weight_group", address, size))
@@ -144,14 +156,13 @@ class Answered:
         return self.value
 
 
-def probe(prompts, eos_token_ids: list[int], pad_token_id: int | None, max_response_length: int) -> DataProto:
+def probe(prompts, eos_token_ids: list[int], pad_token_id: int, max_response_length: int) -> DataProto:
     """The sequence that the trainer and every engine score after each weight sync: the first of `prompts` (rows of
     load_prompts), answered with its own tokens (any tokens do, but an EOS, which would end the answer)."""
     first = collate(prompts[np.array([0])], 0)
     prompt = first["prompts"][first["prompt_mask"].bool()]
     answer = prompt[~torch.isin(prompt, torch.tensor(eos_token_ids))][-max_response_length:]
-    pad = pad_token_id if pad_token_id is not None else eos_token_ids[0]
     log_probs = torch.zeros(1, len(answer))
     return response_batch(
-        first["prompts"], first["prompt_mask"], answer[None], log_probs, max_response_length, eos_token_ids, pad
+        first["prompts"], first["prompt_mask"], answer[None], log_probs, max_response_length, eos_token_ids, pad_token_id
     )
