@@ -53,13 +53,7 @@ def run_episodes(policy, batch, env_calls, environments, tokenizer, eos_token_id
     play.play(episodes)
     report_failures(play.failures, play.tool_failures)
     width = limits.max_response_length
-    responses = torch.full((len(episodes), width), play.pad, dtype=torch.long)
-    own, log_probs, turn_rewards = (torch.zeros(len(episodes), width) for _ in range(3))
-    for i, episode in enumerate(episodes):
-        turn_rewards[i, episode.turn_ends[: len(episode.turn_rewards)]] = torch.tensor(episode.turn_rewards)
-        responses[i, : len(episode.tokens)] = torch.tensor(episode.tokens, dtype=torch.long)
-        own[i, : len(episode.own)] = torch.tensor(episode.own, dtype=torch.float)
-        log_probs[i, : len(episode.log_probs)] = torch.tensor(episode.log_probs)
+    responses, own, log_probs, turn_rewards = laid_out(episodes, width, play.pad)
     left = {}
     if any(episode.prompt != prompt for episode, prompt in zip(episodes, prompts)):  # a reset added to a prompt
         grown = collate(DataProto.from_dict(non_tensors={"prompt_ids": [e.prompt for e in episodes]}), play.pad)
@@ -91,6 +85,21 @@ def run_episodes(policy, batch, env_calls, environments, tokenizer, eos_token_id
             "engine_idle_share": [play.engine_idle_share] * len(episodes),
         },
     )
+
+
+def laid_out(episodes: list[Episode], width: int, pad: int) -> tuple:
+    """[episodes, width] each: the episodes' tokens (padded with `pad`), which of them the model's, their rollout
+    log-probs, and each turn's reward on its last token."""
+    import torch
+
+    responses = torch.full((len(episodes), width), pad, dtype=torch.long)
+    own, log_probs, turn_rewards = (torch.zeros(len(episodes), width) for _ in range(3))
+    for i, episode in enumerate(episodes):
+        turn_rewards[i, episode.turn_ends[: len(episode.turn_rewards)]] = torch.tensor(episode.turn_rewards)
+        responses[i, : len(episode.tokens)] = torch.tensor(episode.tokens, dtype=torch.long)
+        own[i, : len(episode.own)] = torch.tensor(episode.own, dtype=torch.float)
+        log_probs[i, : len(episode.log_probs)] = torch.tensor(episode.log_probs)
+    return responses, own, log_probs, turn_rewards
 
 
 def split_turn_rewards(scores, batch):
