@@ -59,11 +59,7 @@ def run_episodes(policy, batch, env_calls, environments, tokenizer, eos_token_id
         grown = collate(DataProto.from_dict(non_tensors={"prompt_ids": [e.prompt for e in episodes]}), play.pad)
         left = {"prompts": grown["prompts"], "prompt_mask": grown["prompt_mask"]}
         batch["prompts"], batch["prompt_mask"] = left["prompts"], left["prompt_mask"]  # so that `batch | episodes` holds
-    versioned, first_versions = {}, [e.versions[0] for e in episodes if e.versions]
-    if first_versions and first_versions[0] is not None:  # engines apart: an episode is as old as its first turn
-        # an episode that failed before its first turn has no token to train on: the newest version, which drops nothing
-        versioned["weight_version"] = torch.tensor([e.versions[0] if e.versions else max(first_versions) for e in episodes])
-        versioned["newer_turns"] = torch.tensor([sum(v != e.versions[0] for v in e.versions) for e in episodes])
+    versioned = weight_versions(episodes)
     prompt_pair = (left or batch)["prompts"], (left or batch)["prompt_mask"]
     # every token of the episode attends and is read; the model's own are the ones the losses count
     real = torch.arange(width) < torch.tensor([len(e.tokens) for e in episodes])[:, None]
@@ -85,6 +81,21 @@ def run_episodes(policy, batch, env_calls, environments, tokenizer, eos_token_id
             "engine_idle_share": [play.engine_idle_share] * len(episodes),
         },
     )
+
+
+def weight_versions(episodes: list[Episode]) -> dict:
+    """From engines that tag their turns with their weights' version (engines apart), each episode's `weight_version`,
+    its first turn's (an episode is as old as its first turn), and `newer_turns`, its turns of newer weights."""
+    import torch
+
+    first_versions = [e.versions[0] for e in episodes if e.versions]
+    if not first_versions or first_versions[0] is None:
+        return {}
+    # an episode that failed before its first turn has no token to train on: the newest version, which drops nothing
+    return {
+        "weight_version": torch.tensor([e.versions[0] if e.versions else max(first_versions) for e in episodes]),
+        "newer_turns": torch.tensor([sum(v != e.versions[0] for v in e.versions) for e in episodes]),
+    }
 
 
 def laid_out(episodes: list[Episode], width: int, pad: int) -> tuple:
