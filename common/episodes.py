@@ -29,11 +29,8 @@ def run_episodes(policy, batch, env_calls, environments, tokenizer, eos_token_id
     `ending` (one of ENDINGS), `tool_calls`, `tool_errors` and `episode_seconds` (from the start until it ended),
     `computed_again` (tokens of its context its engine computed again at a later turn) and `engine_idle_share` (the
     share of the play's time its engines were not generating, the same on every row); `turn_reward_tokens`, each turn's
-    reward on that turn's last token (see split_turn_rewards); and from engines that tag what they generate with their
-    weights' version (rollout workers), the episode's `weight_version`, its first turn's (its oldest), and
-    `newer_turns`, how many of its turns came from newer weights (an update arrived while it played). Each token's
-    rollout log-prob is the one its engine sampled it with, so the off-policy correction holds per token whatever the
-    version."""
+    reward on that turn's last token (see split_turn_rewards); and with engines apart, weight_versions'. Each token's
+    rollout log-prob is the one its engine sampled it with: the off-policy correction holds per token."""
     import torch
 
     from common.data import collate
