@@ -35,19 +35,19 @@ class GenerationValidation:
     def of(cls, args, tokenizer, eos_token_ids: list[int]) -> GenerationValidation | None:
         """The validation by generation a supervised run's flags ask for: with --val-files of RL prompts; None with
         transcripts, where --tools and --env have nothing to play."""
-        if holds_prompts(args.val_files) and (args.reward_model or args.judge_model):
+        if not holds_prompts(args.val_files):
+            if args.env or args.tools:
+                raise ValueError(
+                    "--tools and --env play RL's episodes in the warm start's validation: pass --val-files of RL prompts "
+                    "(the files the RL scripts take) to validate by generation, or leave them out to validate by the loss"
+                )
+            return None
+        if args.reward_model or args.judge_model:
             raise ValueError(
                 "the warm start's validation scores its episodes by rule (a built-in per data_source, or --reward-fn): "
                 "leave --reward-model and --judge-model to the RL run"
             )
-        if holds_prompts(args.val_files):
-            return cls(args, tokenizer, eos_token_ids)
-        if args.env or args.tools:
-            raise ValueError(
-                "--tools and --env play RL's episodes in the warm start's validation: pass --val-files of RL prompts (the "
-                "files the RL scripts take) to validate by generation, or leave them out to validate by the loss"
-            )
-        return None
+        return cls(args, tokenizer, eos_token_ids)
 
     def __init__(self, args, tokenizer, eos_token_ids: list[int]):
         from common.data import PromptLoader, load_prompts, pad_token_id
