@@ -13,18 +13,7 @@ import signal
 import sys
 import traceback
 
-settings = json.loads(sys.argv[1])
-requests = os.fdopen(os.dup(0), "rb")
-replies = os.fdopen(os.dup(1), "wb")
-os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-output = os.open("output", os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o600)
-os.dup2(output, 1)
-os.dup2(output, 2)
-sys.stdin = open(0, closefd=False)
-sys.stdout = sys.stderr = open(1, "w", closefd=False)
-os.close(output)  # fd 1 and 2 keep the file open
-namespace = {"__name__": "__main__", "__builtins__": __builtins__}
-running = False
+settings, namespace, running = {}, {"__name__": "__main__", "__builtins__": __builtins__}, False
 
 
 def interrupt(signum, frame):
@@ -70,8 +59,25 @@ def run(code: str) -> dict:
     return {"output": printed, "value": value, "error": error}
 
 
-signal.signal(signal.SIGALRM, interrupt)
-for line in requests:
-    reply = run(json.loads(line)["code"])
-    replies.write(json.dumps(reply).encode() + b"\n")
-    replies.flush()
+def serve() -> None:
+    """Take the standard streams over (requests and replies on duplicates; the code's output to a file), then answer
+    each request line with the reply of its code."""
+    requests = os.fdopen(os.dup(0), "rb")
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    output = os.open("output", os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(output, 1)
+    os.dup2(output, 2)
+    sys.stdin = open(0, closefd=False)
+    sys.stdout = sys.stderr = open(1, "w", closefd=False)
+    os.close(output)  # fd 1 and 2 keep the file open
+    signal.signal(signal.SIGALRM, interrupt)
+    for line in requests:
+        reply = run(json.loads(line)["code"])
+        replies.write(json.dumps(reply).encode() + b"\n")
+        replies.flush()
+
+
+if __name__ == "__main__":  # a module of common/ that only runs as the interpreter's loop
+    settings.update(json.loads(sys.argv[1]))
+    serve()
