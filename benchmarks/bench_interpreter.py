@@ -6,7 +6,7 @@ from the same warm start at the same settings, side by side.
 
 Each phase runs as a user runs it, in a process of its own:
 
-1. the warm start, `sft_hybrid.py --model-path smollm2 --train-files sft_train.jsonl ... --total-steps 4`: transcripts
+1. the warm start, `sft_hybrid.py --model-path smollm2 --train-files sft_train.jsonl ... --total-steps 12`: transcripts
    that compute the sum in two calls of run_python, the second continuing from the first's variable `x`;
 2. GRPO from its export, `grpo_hybrid.py --env common/python_env.py:PythonInterpreter --reward-fn
    examples/reasoning_gym/tasks.py:compute_score` (LoRA, 8 prompts x 4 samples a step, GRPO below);
@@ -363,7 +363,7 @@ PHASES = dict(base=phase_base, sft=phase_sft, grpo=phase_grpo, trl=phase_trl)
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--sft-steps", type=int, default=4, help="warm start steps (16 transcripts each)")
+    parser.add_argument("--sft-steps", type=int, default=12, help="warm start steps (16 transcripts each)")
     parser.add_argument("--grpo-steps", type=int, default=10)
     parser.add_argument("--prompts", type=int, default=GRPO["prompts"], help="prompts a GRPO step (4 samples each)")
     parser.add_argument("--val-problems", type=int, default=64, help="held-out problems each judgement answers")
