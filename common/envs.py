@@ -61,15 +61,10 @@ import shlex
 import traceback
 
 from common.isolation import import_function, load_user_file
-from common.tools import call_tool, check_tool_template, load_tools, tool_schema
+from common.tools import EnvironmentLost, call_tool, check_tool_template, load_tools, tool_schema
 
 # public methods of an environment that are not tools: its life (reset, close), its turns and its rewards
 NOT_TOOLS = ("reset", "close", "step", "get_reward", "turn_reward")
-
-
-class EnvironmentLost(Exception):
-    """Raised by a tool when what its environment stands on is gone (a server that died): the episode ends with score
-    0, where another exception of a tool answers the model with it."""
 
 
 class Calculator:

@@ -4,7 +4,7 @@ Streamable HTTP with a session per episode. The server's tools, listed through t
 starts, are offered through the chat template as --tools are; each call goes to the episode's session.
 
 A tool that reports an error answers the model with it (as a tool that raises does); a server that dies or stops
-answering ends the episodes using it with score 0 (common/envs.py's EnvironmentLost), and the next episode starts its
+answering ends the episodes using it with score 0 (common/tools.py's EnvironmentLost), and the next episode starts its
 own server again (stdio).
 """
 
@@ -99,7 +99,7 @@ class MCPTools:
 
     def call(self, name: str, **arguments) -> str:
         """What tool `name` of the server answered, as text; an error it reports is raised, for the model to read."""
-        from common.envs import EnvironmentLost
+        from common.tools import EnvironmentLost
 
         answer = concurrent.futures.Future()
         self.loop.call_soon_threadsafe(self.calls.put_nowait, (name, arguments, answer))

@@ -212,6 +212,11 @@ def argument_problem(schema: dict, arguments: dict) -> str | None:
     return None
 
 
+class EnvironmentLost(Exception):
+    """Raised by a tool when what its environment stands on is gone (a server that died): the episode ends with score
+    0, where another exception of a tool answers the model with it."""
+
+
 def call_tool(function: Callable, schema: dict, arguments: dict) -> tuple[str, bool]:
     """The result the model reads of calling `function` with `arguments`, and whether it is an error message: a wrong
     argument gets one; a result that is not a string becomes one with str(), as TRL does. What the tool raises, it
