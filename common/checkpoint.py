@@ -17,6 +17,7 @@ unchecked, with a line that says so.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -221,11 +222,26 @@ class StopRequest:
     """SIGINT or SIGTERM asks the loop to save a checkpoint and stop after the current step."""
 
     def __init__(self):
-        self.requested = False
+        self.requested, self.holding, self.held = False, False, False
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._request)
 
+    @contextlib.contextmanager
+    def deferred(self):
+        """A second signal within waits for its end: what is written within is written whole (a checkpoint and its
+        step's metrics, which a resumed run must find together)."""
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+        if self.held:
+            raise KeyboardInterrupt
+
     def _request(self, signum, frame):
+        if self.requested and self.holding:  # a second signal while a checkpoint and its log are written: just after
+            self.held = True
+            return
         if self.requested:  # a second signal: stop now
             raise KeyboardInterrupt
         self.requested = True

@@ -333,9 +333,10 @@ class Run:
             metrics |= val_metrics
             self.tracker.log_samples(samples, step=step)
         self._record_peak_memory(metrics)
-        if step % args.save_freq == 0 or step == args.total_steps or self.stopping:
-            self._save(step, metrics, driver_state)
-        self.tracker.log(metrics, step=step)
+        with self.stop.deferred():  # a checkpoint and its step's row together: a resumed run finds both
+            if step % args.save_freq == 0 or step == args.total_steps or self.stopping:
+                self._save(step, metrics, driver_state)
+            self.tracker.log(metrics, step=step)
         shown = ("loss", metrics["actor/loss"]) if scores is None else ("reward", metrics["train/reward_mean"])
         self.postfix = {shown[0]: f"{shown[1]:.3f}", "step_s": f"{step_time:.2f}"}
         self.last_step = step

@@ -72,7 +72,7 @@ def test_sharded_load_gives_the_whole_loads_weights_bit_for_bit(cpu_pool, folder
     """Every parameter and buffer of every rank (the reference's too; the critic's new value head drawn from each
     rank's seed; the LoRA adapter) equals the whole-model load's, bit for bit, and the head stays tied."""
     split, whole = folders
-    extra = {"rollout_engine": None} if worker is PolicyShards else {}
+    extra = {"engine": None} if worker is PolicyShards else {}
     shards = {}
     for name, path in (("split", split), ("whole", whole)):
         group = WorkerGroup(worker, cpu_pool, f"load-{name}", model_path=path, seed=3, **extra, **settings)
