@@ -9,16 +9,8 @@ from statistics import fmean
 
 from common.demo import multiply_tool_transcript
 from helpers import metrics_of, run_script, stop_in_process
+from test_tools import COMPACT_TEMPLATE  # tools in a few characters, for the tiny model's 128 positions
 
-# Tools in a few characters, for the tiny model's 128 positions (test_tools.py's): a call is Qwen's `<tool_call>` JSON,
-# a result `R:...`, and the assistant's turn ends with the model's EOS.
-COMPACT_TEMPLATE = (
-    "{%- if tools %}T:{% for t in tools %}{{ t.function.name }};{% endfor %}{% endif %}"
-    "{%- for m in messages %}{% if m.role == 'assistant' %}A:{{ m.content }}"
-    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}<eos>"
-    "{% elif m.role == 'tool' %}R:{{ m.content }}{% else %}U:{{ m.content }}{% endif %}{% endfor %}"
-    "{%- if add_generation_prompt %}A:{% endif %}"
-)
 CALL = r'<tool_call>\{"name": ?"multiply", ?"arguments": ?\{"a": ?(\d+), ?"b": ?(\d+)\}\}</tool_call>'
 
 
