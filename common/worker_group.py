@@ -17,6 +17,7 @@ with its state, stopped or the line of Python it stands on (WorkerStopped).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import os
@@ -242,8 +243,9 @@ class Worker:
         self.collective_timeout = datetime.timedelta(seconds=collective_timeout_s)
         STACKS.mkdir(exist_ok=True)
         for old in STACKS.glob("*.txt"):  # left empty by a process killed with its run: nothing to keep
-            if old.stat().st_size == 0 and not _alive(int(old.stem)):
-                old.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):  # another rank, readying at once, removed it first
+                if old.stat().st_size == 0 and not _alive(int(old.stem)):
+                    old.unlink(missing_ok=True)
         stacks = STACKS / f"{os.getpid()}.txt"
         self.stack_file = open(stacks, "w")  # kept open: faulthandler writes to its descriptor
         faulthandler.register(signal.SIGUSR1, file=self.stack_file, all_threads=True)
