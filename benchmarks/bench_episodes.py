@@ -1,6 +1,7 @@
 """Multi-turn rollouts on the real model, each episode on its own with its environment alive in the environment
 processes: seconds per rollout, the engine's idle share and the context it computes again, with a tool that answers at
-once and one that takes 0-2 s.
+once and one that takes 0-2 s; and whether a rollout played twice with one seed repeats, as the episodes play by
+default and in rounds (--deterministic), with a tool whose 0-2 s differ at every call.
 
 The policy: SmolLM2-135M-Instruct after the demo's warm start with the multiply tool (`sft_hybrid.py --model-path
 smollm2`, its defaults; built once and kept under $HYBRIDRL_CACHE/episodes-policy-v1, default ~/.cache/hybridrl), so
@@ -11,16 +12,21 @@ policy worker group is built as the training scripts build it (common/run.py: Ru
 per engine (hf, then vllm), and serves every setting:
 
 - the tool: the built-in `multiply`, which answers at once, or benchmarks/episode_tools.py's, the same tool answering
-  after a random 0-2 s (drawn from the call's arguments: the same call waits as long in every setting); each in
-  environment processes of its own (common/env_processes.py: EnvProcesses), built once per engine. As many processes
-  as a run starts by default (common/run.py: one per CPU core, at most 16; --env-workers), not one per episode: each
-  holds the live objects of many episodes, each on a thread of its own, so the calls that sleep wait side by side.
+  after a random 0-2 s (drawn from the call's arguments: the same call waits as long in every setting), or
+  benchmarks/episode_tools_at_random.py's, waiting 0-2 s drawn anew at every call; each in environment processes of
+  its own (common/env_processes.py: EnvProcesses), built once per engine. As many processes as a run starts by default
+  (common/run.py: one per CPU core, at most 16; --env-workers), not one per episode: each holds the live objects of many
+  episodes, each on a thread of its own, so the calls that sleep wait side by side.
+- the play: as a run plays by default, each episode's turn starting as soon as its call answered, or in rounds as
+  with --deterministic (run_episodes' lockstep: an engine takes every waiting turn at once when none of its episodes
+  is generating or calling its tool), with the tool whose waits differ at every call.
 
 Each setting plays one warm-up rollout, then --rollouts rollouts, the same prompts for every setting (rollout k draws
-the run's k-th batch). Per setting, the means over those rollouts of: seconds per rollout; the engine's idle share,
-1 - the seconds its engine generated (the worker's `engine_work()` after the rollout less before it) / the rollout's
-wall time; the tokens prefilled again per model turn: the context tokens the engine
-computed (`engine_work()`'s prefilled tokens: not taken from a cache) less the tokens no engine had seen before (each
+the run's k-th batch), each played twice with the same seed (the seed of a run's k-th play): `repeats` counts the
+rollouts whose two plays gave the same tokens and log-probs, bit for bit. Per setting, the means over those plays of:
+seconds per rollout; the engine's idle share, 1 - the seconds its engine generated (the worker's `engine_work()` after
+the rollout less before it) / the rollout's wall time; the tokens prefilled again per model turn: the context tokens the
+engine computed (`engine_work()`'s prefilled tokens: not taken from a cache) less the tokens no engine had seen before (each
 distinct prompt's once, each environment answer's, and per turn after the first the last token sampled before it,
 which the engine never ran), divided by the model turns; model turns and tool calls per episode. A rollout's seconds
 vary with its samples (on the hf engine, a generate lasts as long as its longest response), so the table gives the
@@ -51,7 +57,12 @@ sys.path.insert(0, str(ROOT))
 from demo_table import machine, write_table  # noqa: E402
 
 POLICY_CACHE = "episodes-policy-v1"  # the warm start's export, under the demo's cache
-TOOLS = {"instant": "multiply", "0-2 s": f"{ROOT / 'benchmarks' / 'episode_tools.py'}:multiply"}
+TOOLS = {
+    "instant": "multiply",
+    "0-2 s": f"{ROOT / 'benchmarks' / 'episode_tools.py'}:multiply",
+    "0-2 s anew": f"{ROOT / 'benchmarks' / 'episode_tools_at_random.py'}:multiply",
+}
+SETTINGS = [("instant", "default"), ("0-2 s", "default"), ("0-2 s anew", "default"), ("0-2 s anew", "rounds")]  # tool, play
 SAMPLING = dict(do_sample=True, top_p=1.0, top_k=0)
 
 
@@ -98,12 +109,12 @@ def wait_until_loaded(pool) -> None:
             tickets -= outcomes.keys()
 
 
-def rollout(policy, play, batch) -> dict:
-    """One rollout of `batch`'s episodes by `play(policy, batch)`: its seconds, the engine's (rank 0's) work, and what
-    it played."""
+def rollout(policy, play, batch, seed: int) -> tuple[dict, object]:
+    """One rollout of `batch`'s episodes by `play(policy, batch, seed)`: its seconds, the engine's (rank 0's) work, and
+    what it played; and the played batch."""
     [before] = policy.broadcast("engine_work")
     started = time.perf_counter()
-    out = play(policy, batch)
+    out = play(policy, batch, seed)
     seconds = time.perf_counter() - started
     [after] = policy.broadcast("engine_work")
     work = {key: after[key] - before[key] for key in ("seconds", "prefilled_tokens")}
@@ -124,13 +135,22 @@ def rollout(policy, play, batch) -> dict:
         # what the loop reports of itself, beside the figures above
         loop_idle_share=out["engine_idle_share"][0],
         loop_computed_again=sum(out["computed_again"]),
-    )
+    ), out
+
+
+def same_play(first, second) -> bool:
+    """Whether two plays of a batch gave the same tokens, masks and log-probs, bit for bit."""
+    import torch
+
+    keys = ("responses", "response_mask", "rollout_log_probs")
+    return all(first[key].shape == second[key].shape and torch.equal(first[key], second[key]) for key in keys)
 
 
 def summary(rollouts: list[dict]) -> dict:
     mean = lambda key: sum(r[key] for r in rollouts) / len(rollouts)  # noqa: E731
     episodes, turns = mean("episodes"), mean("turns")
     return dict(
+        repeats=sum(r["repeated"] for r in rollouts[::2]),
         seconds=mean("seconds"),
         seconds_range=(min(r["seconds"] for r in rollouts), max(r["seconds"] for r in rollouts)),
         idle_share=sum(1 - r["engine_seconds"] / r["seconds"] for r in rollouts) / len(rollouts),
@@ -144,7 +164,7 @@ def measure(engine: str, args, model_path: str, train_file: str, work: Path) -> 
     """Every setting on `engine`, its worker group, environment processes and prompts built once for all of them."""
     from common.env_processes import EnvProcesses
     from common.envs import episode_spec, load_environments
-    from common.episode_play import EpisodeLimits
+    from common.episode_play import EpisodeLimits, seed_of
     from common.episodes import run_episodes
     from common.run import Run, RunArgs
 
@@ -176,21 +196,26 @@ def measure(engine: str, args, model_path: str, train_file: str, work: Path) -> 
             raise RuntimeError("benchmarks/episode_tools.py's multiply has another schema than the built-in's")
         limits = EpisodeLimits(args.max_turns, lengths["max_prompt_length"], lengths["max_response_length"])
         results = []
-        for tool, envs in environments.items():
-            # one tool's processes at a time
-            pool = EnvProcesses(envs.spec, args.env_workers or env_processes(), run_args.reward_timeout)
+        for tool, mode in SETTINGS:
+            envs = environments[tool]
+            pool = EnvProcesses(envs.spec, args.env_workers or env_processes(), run_args.reward_timeout)  # one at a time
             try:
                 wait_until_loaded(pool)
-                play = lambda group, batch: run_episodes(  # noqa: B023, E731
-                    group, batch, pool, envs, run.tokenizer, run.eos_token_ids, limits, SAMPLING
+                play = lambda group, batch, seed: run_episodes(  # noqa: B023, E731
+                    group, batch, pool, envs, run.tokenizer, run.eos_token_ids, limits, SAMPLING, seed=seed,
+                    lockstep=mode == "rounds",
                 )
                 started = time.perf_counter()
-                rollout(policy, play, batches[0])  # warm-up
-                rollouts = [rollout(policy, play, batch) for batch in batches[1:]]
-                results.append(dict(engine=engine, tool=tool, **summary(rollouts), rollouts=rollouts))
+                rollout(policy, play, batches[0], seed_of(args.seed, 0))  # warm-up
+                rollouts = []
+                for k, batch in enumerate(batches[1:], start=1):
+                    seed = seed_of(args.seed, k)
+                    (first, first_out), (second, second_out) = (rollout(policy, play, batch, seed) for _ in "ab")
+                    rollouts += [first | dict(repeated=same_play(first_out, second_out)), second]
+                results.append(dict(engine=engine, tool=tool, play=mode, **summary(rollouts), rollouts=rollouts))
                 print(
-                    f"{engine}, {tool} tool: {results[-1]['seconds']:.1f} s per rollout "
-                    f"({time.perf_counter() - started:.0f} s with the warm-up)",
+                    f"{engine}, {tool} tool, {mode}: {results[-1]['seconds']:.1f} s per rollout, repeated "
+                    f"{results[-1]['repeats']} of {args.rollouts} ({time.perf_counter() - started:.0f} s with the warm-up)",
                     flush=True,
                 )
             finally:
@@ -245,15 +270,16 @@ if __name__ == "__main__":
         f"x {args.samples}), up to {args.max_turns} model turns, {args.env_workers or env_processes()} environment processes; "
         f"means over {args.rollouts} rollouts after a warm-up",
         "",
-        "| engine | tool | seconds per rollout (fastest-slowest) | engine idle | prefilled again per model turn "
-        "| model turns per episode | tool calls per episode |",
-        "|---|---|---|---|---|---|---|",
+        "| engine | tool | play | seconds per rollout (fastest-slowest) | engine idle | prefilled again per model turn "
+        "| model turns per episode | tool calls per episode | played twice, the same |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         low, high = r["seconds_range"]
         lines.append(
-            f"| {r['engine']} | {r['tool']} | {r['seconds']:.1f} ({low:.1f}-{high:.1f}) | {r['idle_share']:.0%} "
-            f"| {r['prefilled_again_per_turn']:.0f} | {r['turns_per_episode']:.2f} | {r['tool_calls_per_episode']:.2f} |"
+            f"| {r['engine']} | {r['tool']} | {r['play']} | {r['seconds']:.1f} ({low:.1f}-{high:.1f}) | {r['idle_share']:.0%} "
+            f"| {r['prefilled_again_per_turn']:.0f} | {r['turns_per_episode']:.2f} | {r['tool_calls_per_episode']:.2f} "
+            f"| {r['repeats']} of {args.rollouts} |"
         )
     summary_json = dict(cpu=cpu, commit=commit, date=date, command=command, settings=vars(args), results=results)
     write_table(lines, args.out, summary_json)

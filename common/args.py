@@ -90,6 +90,10 @@ class RunArgs:
     tools)"""
     max_turns: int = flag(4, positive=True)
     """with --env or --tools: most model turns per episode"""
+    deterministic: bool = flag(False, resumable=True)
+    """with --env or --tools: two runs of a seed and a resumed run give the same episodes whatever the environments'
+    timing: an engine takes turns in rounds (once each of its episodes' environments answered), and engines apart get
+    new weights between batches of episodes, not during one (docs/multi-turn.md gives the cost)"""
 
     num_workers: int | None = flag(None, positive=True)
     """policy processes, one per GPU (per CPU slot without GPUs); default: every GPU this machine has, 2 without GPUs

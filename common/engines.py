@@ -36,10 +36,11 @@ class RolloutEngine(Protocol):
         sampled token under the distribution it was sampled from ([batch, steps]). `sampling`: EngineSettings.sampling's
         do_sample, temperature, top_p, top_k and stop_strings (a list, or None)."""
 
-    def add_request(self, key: str, tokens: list[int], max_tokens: int, **sampling) -> None:
+    def add_request(self, key: str, tokens: list[int], max_tokens: int, seed: int | None = None, **sampling) -> None:
         """Start a response of at most `max_tokens` to `tokens` (sampling as generate takes it). `key`: the episode's,
         the same for each of its turns, whose context then begins with the earlier turn's: an engine may keep what
-        it computed of one turn for the next."""
+        it computed of one turn for the next. `seed`: the turn's own random draws (the play's turn_seed), so that what
+        it samples does not depend on the turns beside it; None: the engine's."""
 
     def finished_requests(self) -> list[tuple[str, list[int], list[float], int]]:
         """Generate until at least one request under way ends (or a short while passed): each ended one's key, tokens

@@ -7,6 +7,7 @@ are encoded, framed by the chat template as "tool" messages (AnswerFraming; Tool
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -93,9 +94,26 @@ class EpisodePlay:
     episode alone (to --reward-timeout). An episode that ends is finished: get_reward scores it, if its environment has
     one, and its close() runs. `engine_idle_share`, after `play`: the share of its time the engines were not generating
     (EngineWorker.engine_work); `failures`: the first traceback of each kind of failure, and `tool_failures` of each
-    kind of exception a tool raised, by kind (see report_failures)."""
+    kind of exception a tool raised, by kind (see report_failures).
 
-    def __init__(self, policy, env_calls, environments, tokenizer, eos_token_ids, limits: EpisodeLimits, sampling: dict):
+    Each turn samples from a generator of its own, seeded by the play's `seed`, the episode's place in the batch and the
+    turn's number (seed_of): what an episode samples does not hang on the turns beside it. With `lockstep`
+    (--deterministic) a rank's engine takes turns in rounds: once none of its episodes is generating or calling its
+    environment, every waiting turn at once, in the batch's order; so the engines compute the same batches whatever
+    the environments' timing, and a play repeats bit for bit."""
+
+    def __init__(
+        self,
+        policy,
+        env_calls,
+        environments,
+        tokenizer,
+        eos_token_ids,
+        limits: EpisodeLimits,
+        sampling: dict,
+        seed: int | None = None,
+        lockstep: bool = False,
+    ):
         self.policy, self.env_calls, self.environments, self.tokenizer = policy, env_calls, environments, tokenizer
         self.eos_token_ids, self.max_turns = eos_token_ids, limits.max_turns
         self.max_prompt_length, self.max_response_length = limits.max_prompt_length, limits.max_response_length
@@ -106,6 +124,7 @@ class EpisodePlay:
         self.failures, self.tool_failures = {}, {}
         self.stepping, self.start = {}, time.perf_counter()  # stepping: the environments' calls under way by ticket
         self.name = uuid.uuid4().hex[:12]  # the play's, before its episodes' keys: plays may share engines
+        self.seed, self.lockstep = seed, lockstep
 
     def play(self, episodes: list[Episode]) -> None:
         ranks = self.policy.world_size
@@ -113,6 +132,7 @@ class EpisodePlay:
             episode.key, episode.rank = f"{self.name}/{i}", i * ranks // len(episodes)  # a group's samples on one rank
             self._call(episode, ("open", episode.env_name, episode.columns))
         self.episodes = {episode.key: episode for episode in episodes}
+        self.place = {episode.key: i for i, episode in enumerate(episodes)}
         self.waiting = {rank: [] for rank in range(ranks)}  # ready for a turn
         self.under_way, self.ready_since = dict.fromkeys(range(ranks), 0), dict.fromkeys(range(ranks), self.start)
         calls = {}  # by rank, its turns call under way
@@ -120,10 +140,12 @@ class EpisodePlay:
         try:
             while any(self.waiting.values()) or any(self.under_way.values()) or self.stepping:
                 for rank in range(ranks):
-                    if rank not in calls and self._due(rank):
-                        requests = [(e.key, e.prompt + e.tokens, self._room(e)) for e in self.waiting[rank]]
+                    taken = None if rank in calls else self._taken(rank)
+                    if taken is not None:
+                        requests = [(e.key, e.prompt + e.tokens, self._room(e), self._turn_seed(e)) for e in taken]
                         calls[rank] = self.policy.submit_rank(rank, "turns", self.name, requests, **self.sampling)
-                        self.under_way[rank], self.waiting[rank] = self.under_way[rank] + len(requests), []
+                        self.under_way[rank] += len(requests)
+                        self.waiting[rank] = [e for e in self.waiting[rank] if all(e is not t for t in taken)]
                 # with no environment call to wait for, wait for an engine; else take the engines that answered
                 answered = [next(iter(calls))] if calls and not self.stepping else [r for r, c in calls.items() if c.done()]
                 for rank in answered:
@@ -144,6 +166,19 @@ class EpisodePlay:
         work_after = self.policy.broadcast("engine_work")
         engine_seconds = sum(after["seconds"] - before["seconds"] for before, after in zip(work_before, work_after))
         self.engine_idle_share = max(0.0, 1 - engine_seconds / (ranks * (time.perf_counter() - self.start)))
+
+    def _taken(self, rank: int) -> list[Episode] | None:
+        """The waiting episodes whose turns `rank`'s engine takes now (none: it goes on generating those under way), or
+        None: no call now. In lockstep, a round: every waiting turn, once no turn or call of its episodes is under way."""
+        if not self.lockstep:
+            return self.waiting[rank] if self._due(rank) else None
+        if self.under_way[rank]:
+            return []
+        calling = any(episode.rank == rank and request[0] != "finish" for episode, request in self.stepping.values())
+        return sorted(self.waiting[rank], key=lambda e: self.place[e.key]) if self.waiting[rank] and not calling else None
+
+    def _turn_seed(self, episode: Episode) -> int | None:
+        return None if self.seed is None else seed_of(self.seed, self.place[episode.key], episode.turns)
 
     def _due(self, rank: int) -> bool:
         """Whether `rank`'s engine takes its waiting turns now: at once when it is generating others (they join them);
@@ -270,3 +305,10 @@ class EpisodePlay:
         episode.seconds = time.perf_counter() - self.start
         if outcome[0] == "error":
             self.failures.setdefault(outcome[1], (episode, outcome[2]))
+
+
+def seed_of(*parts) -> int:
+    """A seed for what `parts` name (the run's seed and a play's number; a play's seed, an episode's place and a turn's
+    number): 63 bits of their hash, the same in every process and run (Python's own hash of a str is not)."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1

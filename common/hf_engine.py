@@ -51,11 +51,13 @@ class HFEngine:
         cache, prefilled = shared_prompt_cache(self.policy, prompts, prompt_mask)
         return self._generate(prompts, prompt_mask, cache, prefilled, max_response_length, **sampling)[:2]
 
-    def _generate(self, input_ids, attention_mask, cache, prefilled: int, max_new_tokens: int, alone=False, **sampling):
+    def _generate(
+        self, input_ids, attention_mask, cache, prefilled: int, max_new_tokens: int, alone=False, seeds=None, **sampling
+    ):
         """generate's new tokens, their log-probs and the cache it leaves, from `cache` holding the keys and values of
         the first columns of `input_ids` (or None); `prefilled`: the context's tokens this computes, counted. `alone`:
         this rank generates on its own (else every rank of an FSDP policy generates at once, and generate keeps them in
-        step until the last is done)."""
+        step until the last is done). `seeds`: each row's own random draws (None: torch's global generator)."""
         from transformers import GenerationConfig, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
         from transformers import TopPLogitsWarper
 
@@ -74,7 +76,7 @@ class HFEngine:
         processors = [recorder]
         if do_sample:  # generate's own warpers, in its order and on its conditions, then one uniform draw per row
             processors += [TemperatureLogitsWarper(temperature)] + ([TopKLogitsWarper(top_k)] if top_k != 0 else [])
-            processors += ([TopPLogitsWarper(top_p)] if top_p < 1.0 else []) + [InverseCDFSample()]
+            processors += ([TopPLogitsWarper(top_p)] if top_p < 1.0 else []) + [InverseCDFSample(seeds, input_ids.device)]
         self.prefilled_tokens += prefilled
         output = self.policy.generate(
             input_ids=input_ids,
@@ -88,16 +90,16 @@ class HFEngine:
         responses = output.sequences[:, input_ids.shape[1] :]
         return responses, recorder.log_probs(responses), output.past_key_values
 
-    def add_request(self, key: str, tokens: list[int], max_tokens: int, **sampling) -> None:
+    def add_request(self, key: str, tokens: list[int], max_tokens: int, seed: int | None = None, **sampling) -> None:
         """Generate a response to `tokens` at the next finished_requests; `key`: the episode's, whose earlier turns'
-        keys and values this one starts from where its tokens begin with theirs."""
-        self.requests.append((key, tokens, max_tokens, sampling))
+        keys and values this one starts from where its tokens begin with theirs; `seed`: its own random draws."""
+        self.requests.append((key, tokens, max_tokens, sampling, seed))
 
     def finished_requests(self) -> list[tuple[str, list[int], list[float], int]]:
         """Every request added since the last call, generated together (those of equal sampling settings): each one's
         key, tokens (up to its EOS or stop string), their log-probs and how many of its context's tokens it computed."""
         finished, requests, self.requests = [], self.requests, []
-        for sampling in {str(sorted(r[3].items())): r[3] for r in requests}.values():
+        for sampling in {str(sorted(r[3].items())): r[3] for r in requests}.values():  # in the order they came
             finished += self._finish([r for r in requests if r[3] == sampling], sampling)
         return finished
 
@@ -106,15 +108,15 @@ class HFEngine:
         self.held = {key: held for key, held in self.held.items() if not key.startswith(prefix)}
 
     def _finish(self, requests: list, sampling: dict) -> list[tuple[str, list[int], list[float], int]]:
-        reuse = [held_prefix(self.held.get(key), tokens) for key, tokens, _, _ in requests]  # tokens whose cache is held
+        reuse = [held_prefix(self.held.get(key), tokens) for key, tokens, *_ in requests]  # tokens whose cache is held
         input_ids, mask, cache, prefilled, columns = self._contexts(requests, reuse)
-        max_tokens = max(r[2] for r in requests)
-        responses, log_probs, cache = self._generate(input_ids, mask, cache, prefilled, max_tokens, alone=True, **sampling)
+        max_tokens, seeds = max(r[2] for r in requests), [r[4] for r in requests]
+        responses, log_probs, cache = self._generate(input_ids, mask, cache, prefilled, max_tokens, True, seeds, **sampling)
         lengths = response_lengths(responses, self.eos_token_ids, sampling.get("stop_strings"), self.tokenizer)
         for key, *_ in requests:  # what they started from is used up
             self.held.pop(key, None)
         finished, kept = [], held_bytes(self.held)
-        for i, ((key, tokens, _, _), length) in enumerate(zip(requests, lengths)):
+        for i, ((key, tokens, *_), length) in enumerate(zip(requests, lengths)):
             response = responses[i, :length].tolist()
             if keeps_plain_cache(cache):  # the context's and the response's but the last token's, which no forward read
                 taken = torch.cat([columns[i], torch.arange(input_ids.shape[1], input_ids.shape[1] + length - 1)])
@@ -138,7 +140,7 @@ class HFEngine:
         input_ids = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long, device=device)
         mask = torch.zeros_like(input_ids)
         columns = []
-        for i, ((key, tokens, _, _), used) in enumerate(zip(requests, reuse)):
+        for i, ((key, tokens, *_), used) in enumerate(zip(requests, reuse)):
             new = len(tokens) - used
             input_ids[i, width_held - used : width_held] = torch.tensor(tokens[:used], dtype=torch.long)
             input_ids[i, width - new :] = torch.tensor(tokens[used:], dtype=torch.long)
@@ -304,13 +306,26 @@ class InverseCDFSample:
     """A logits processor that draws each row's next token from the softmax of its scores and leaves only that token
     possible: one uniform draw per row against the cumulative probabilities (in float64, so that no token's share
     rounds away), where `generate`'s torch.multinomial draws one exponential per vocabulary entry, a tenth of the hf
-    engine's generation on a CPU with a 49k vocabulary."""
+    engine's generation on a CPU with a 49k vocabulary. `seeds`: per row, a generator of its own seeded so (an
+    episode's turn draws the same numbers whatever turns share its batch); None: torch's global one for every row."""
+
+    def __init__(self, seeds: list[int | None] | None = None, device=None):
+        self.generators = None
+        if seeds is not None and any(seed is not None for seed in seeds):
+            self.generators = [None if seed is None else torch.Generator(device).manual_seed(seed) for seed in seeds]
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         cdf = torch.softmax(scores.float(), dim=-1).double().cumsum(-1)  # [batch, vocab]
-        drawn = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # [batch, 1], below the total
+        drawn = self._uniform(len(cdf), cdf.device) * cdf[:, -1:]  # [batch, 1], below the total
         tokens = torch.searchsorted(cdf, drawn, right=True).clamp_(max=cdf.shape[-1] - 1)  # the first cdf above it
         return torch.full_like(scores, -torch.inf).scatter_(-1, tokens, 0.0)
+
+    def _uniform(self, rows: int, device) -> torch.Tensor:
+        """[rows, 1] uniform draws in float64, each row's from its own generator where it has one."""
+        if self.generators is None:
+            return torch.rand(rows, 1, dtype=torch.float64, device=device)
+        draws = [torch.rand(1, 1, dtype=torch.float64, device=device, generator=g) for g in self.generators]
+        return torch.cat(draws)
 
 
 class SampledLogProbs:

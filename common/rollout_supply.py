@@ -33,6 +33,7 @@ class RolloutSupply:
         # by the run when a step's update is done (Run.end_step) or restored from a checkpoint (restore)
         self.policy, self.engines, self.version = None, None, 0
         self.player_env_calls = None  # the environments' calls of episodes played while the policy trains (_player)
+        self.plays = 0  # batches of episodes played or asked so far, validation's too: each play's seed is the next
 
     def policy_settings(self) -> dict:
         """The policy's own rollout engine: the one that generates (the hybrid engine), or none with --rollout-workers
@@ -62,6 +63,7 @@ class RolloutSupply:
             engine=self.engine,
             model_path=args.model_path,
             call_timeout=args.call_timeout,
+            whole_plays=args.deterministic,
         )
 
     def _engines(self):
@@ -122,19 +124,30 @@ class RolloutSupply:
         args, engines, prompts = self.args, self._engines(), batch.select("prompts", "prompt_mask")
         sampling = dict(do_sample=do_sample, top_p=args.top_p, top_k=args.top_k)
         if self.environments is not None:
-            generated = self._play(engines, batch, self.env_calls, sampling)
+            generated = self._play(engines, batch, self.env_calls, sampling, self._next_play())
         else:
             generated = engines.scatter("generate", prompts, max_response_length=args.max_response_length, do_sample=do_sample)
         if "weight_version" not in generated:  # generated from the policy as it is now
             generated["weight_version"] = torch.full((len(generated),), self.version)
         return generated
 
-    def _play(self, engines, batch, env_calls, sampling: dict):
+    def _next_play(self) -> int:
+        """The next play's seed (common/episode_play.py: seed_of): from the run's seed and the plays before it, so that a
+        resumed run's plays take the seeds the uninterrupted run's took."""
+        from common.episode_play import seed_of
+
+        self.plays += 1
+        return seed_of(self.args.seed, self.plays)
+
+    def _play(self, engines, batch, env_calls, sampling: dict, seed: int):
         from common.episodes import EpisodeLimits, run_episodes
 
         args = self.args
         limits = EpisodeLimits(args.max_turns, args.max_prompt_length, args.max_response_length)
-        return run_episodes(engines, batch, env_calls, self.environments, self.tokenizer, self.eos_token_ids, limits, sampling)
+        repeat = dict(seed=seed, lockstep=args.deterministic)
+        return run_episodes(
+            engines, batch, env_calls, self.environments, self.tokenizer, self.eos_token_ids, limits, sampling, **repeat
+        )
 
     def _player(self):
         """What plays a batch's episodes on the engines apart while the policy trains (--max-staleness with --env):
@@ -145,21 +158,22 @@ class RolloutSupply:
         if self.player_env_calls is None:  # never in this process (args.py): a thread cannot time a call out
             spec, timeout = self.environments.spec, args.reward_timeout
             self.player_env_calls = EnvProcesses(spec, self.reward_workers, timeout)
-        sampling = dict(do_sample=True, top_p=args.top_p, top_k=args.top_k)
-        return lambda prompts: self._play(self.engines.group, prompts, self.player_env_calls, sampling)
+        sampling, seed = dict(do_sample=True, top_p=args.top_p, top_k=args.top_k), self._next_play()  # asked now
+        return lambda prompts: self._play(self.engines.group, prompts, self.player_env_calls, sampling, seed)
 
     def checkpoint_state(self) -> dict:
         """What a checkpoint keeps of the supply: the data's position and, with engines apart, the work they were asked
         for and no step has trained on, finished first (SplitEngines.finish): the batches' samples, weight versions
-        and prompts (which the data's position is after), and the weight syncs whose probes are still to check."""
+        and prompts (which the data's position is after), and the weight syncs whose probes are still to check; and the
+        plays so far (their seeds)."""
         in_flight = self.engines.finish() if self.engines is not None else []
-        return {"loader": self.train_loader.state_dict(), "in_flight": in_flight}
+        return {"loader": self.train_loader.state_dict(), "in_flight": in_flight, "plays": self.plays}
 
     def restore(self, version: int, saved: dict) -> None:
         """Stand where a checkpoint (its driver's state, `saved`) left the run: the policy at update `version`, the
         data where it was, and the engines' work in flight taken first. (A checkpoint saved before it kept that work
         has the data's position before its prompts: they are generated again.)"""
-        self.version = version
+        self.version, self.plays = version, saved.get("plays", 0)
         self.train_loader.load_state_dict(saved["loader"])
         if self.engines is not None:
             self.engines.resume(saved.get("in_flight", []))

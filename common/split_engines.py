@@ -30,7 +30,9 @@ class SplitEngines:
     `probe`: a sequence (a response_batch row) that the trainer and the engines score after every sync;
     `logprob_bound`: the largest mean gap between them (--max-rollout-logprob-diff); `sends_adapter`: the engines
     serve the policy's LoRA adapter, sent alone, rather than receiving every weight; `engine`: how they generate
-    (EngineSettings), each from `model_path`'s weights until the policy's first arrive.
+    (EngineSettings), each from `model_path`'s weights until the policy's first arrive; `whole_plays` (--deterministic):
+    new weights wait for the episodes' plays asked before them to end, so that a play's turns share one version and
+    a play on the driver's thread (validation's) never shares the engines with one in the player's thread.
     """
 
     def __init__(
@@ -44,8 +46,10 @@ class SplitEngines:
         engine,
         model_path: str,
         call_timeout: float,
+        whole_plays: bool = False,
     ):
         self.policy, self.probe, self.logprob_bound, self.sends_adapter = policy, probe, logprob_bound, sends_adapter
+        self.whole_plays = whole_plays
         self.pool = ResourcePool(count, use_gpu, call_timeout=call_timeout)
         adapter_config = policy.broadcast("adapter_config")[0] if sends_adapter else None
         settings = dict(engine=engine, model_path=model_path, adapter_config=adapter_config)
@@ -63,6 +67,8 @@ class SplitEngines:
 
         The policy's rank 0 sends one version at a time, once the engines took the one before: waiting for that here
         names an engine that died (WorkerDied) rather than the broken connection the policy would report."""
+        if self.whole_plays:
+            self.wait_for_plays()
         if version == self.version:
             return
         for kind, *_, call in self.in_flight:  # the weights the engines have not yet been seen to take
@@ -92,6 +98,12 @@ class SplitEngines:
             self.player = ThreadPoolExecutor(max_workers=1)
         played = self.player.submit(lambda: (play(prompts), self.group.broadcast("phase_peak_memory")))
         self.in_flight.append(("batch", prompts, Later(played, 1), Later(played, 0)))
+
+    def wait_for_plays(self) -> None:
+        """Until every play of episodes asked so far (ask_episodes) has ended."""
+        for kind, *_, call in self.in_flight:
+            if kind == "batch" and isinstance(call, Later):
+                call.future.exception()  # a play that failed raises where its batch is taken
 
     def batches_asked(self) -> int:
         return sum(entry[0] == "batch" for entry in self.in_flight)

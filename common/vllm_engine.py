@@ -190,12 +190,13 @@ class VLLMEngine:
             self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
-    def add_request(self, key: str, tokens: list[int], max_tokens: int, **sampling) -> None:
-        """Start a response to `tokens` now, beside those under way (continuous batching); `key`: the episode's."""
+    def add_request(self, key: str, tokens: list[int], max_tokens: int, seed: int | None = None, **sampling) -> None:
+        """Start a response to `tokens` now, beside those under way (continuous batching); `key`: the episode's; `seed`:
+        the request's own generator (vLLM's per-request seed)."""
         from vllm.sampling_params import RequestOutputKind
 
         self.requests_added += 1
-        params = self._sampling_params(max_tokens, **sampling)
+        params = self._sampling_params(max_tokens, seed=seed, **sampling)
         params.output_kind = RequestOutputKind.FINAL_ONLY
         prompt = {"prompt_token_ids": tokens}  # the request's id: its episode's key, then #n
         self.llm.llm_engine.add_request(f"{key}#{self.requests_added}", prompt, params, lora_request=self.lora_request)
@@ -278,10 +279,10 @@ class VLLMEngine:
         responses = [self._response(output) for output in outputs]
         return [tokens for tokens, _, _ in responses], [log_probs for _, log_probs, _ in responses]
 
-    def _sampling_params(self, max_tokens: int, do_sample, temperature, top_p, top_k, stop_strings):
+    def _sampling_params(self, max_tokens: int, do_sample, temperature, top_p, top_k, stop_strings, seed=None):
         from vllm import SamplingParams
 
-        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k) if do_sample else dict(temperature=0.0)
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed) if do_sample else dict(temperature=0.0)
         return SamplingParams(
             n=1,
             max_tokens=max_tokens,

@@ -116,14 +116,15 @@ class EngineWorker(Worker):
     @torch.no_grad()
     def turns(self, play: str, requests: list, **sampling) -> list[tuple[str, list[int], list[float], int | None, int]]:
         """Start `requests` (an episode's key, prefixed by its `play`'s; the tokens of its context; the most tokens to
-        generate) beside the turns under way, and return the turns of `play` that ended since the last call, after
-        the engine's next steps if none had: each one's key, tokens (to its EOS or stop string), their log-probs, the
-        weights' version they were generated from and the tokens of its context the engine computed (its cache had not
-        kept them). `sampling`: what the turns' sampling changes of the engine's settings (EngineSettings.sampling)."""
+        generate; the turn's seed) beside the turns under way, and return the turns of `play` that ended since the last
+        call, after the engine's next steps if none had: each one's key, tokens (to its EOS or stop string), their
+        log-probs, the weights' version they were generated from and the tokens of its context the engine computed (its
+        cache had not kept them). `sampling`: what the turns' sampling changes of the engine's settings
+        (EngineSettings.sampling)."""
         prefix, sampling = f"{play}/", self.engine_settings.sampling(**sampling)
         with self.generating():
-            for key, tokens, max_tokens in requests:
-                self.engine.add_request(key, tokens, max_tokens, **sampling)
+            for key, tokens, max_tokens, seed in requests:
+                self.engine.add_request(key, tokens, max_tokens, seed=seed, **sampling)
                 self.under_way[key] = self.version
             if any(key.startswith(prefix) for key in self.under_way) and not any(t[0].startswith(prefix) for t in self.ended):
                 self._step()

@@ -21,9 +21,9 @@ class TallyingEngine(HFEngine):
         self.tally("batch")
         return super().generate(prompts, prompt_mask, max_response_length, **sampling)
 
-    def add_request(self, key: str, tokens: list[int], max_tokens: int, **sampling) -> None:
+    def add_request(self, key: str, tokens: list[int], max_tokens: int, seed: int | None = None, **sampling) -> None:
         self.tally("turn")
-        super().add_request(key, tokens, max_tokens, **sampling)
+        super().add_request(key, tokens, max_tokens, seed, **sampling)
 
     def tally(self, kind: str) -> None:
         with open(TALLY, "a") as file:

@@ -115,9 +115,9 @@ class ScriptedEngine:
         return [dict(seconds=0.0, prefilled_tokens=0)]
 
     def submit_rank(self, rank, method, play, requests, **sampling):
-        """The turns of `requests` (key, context, most tokens), ready at once."""
+        """The turns of `requests` (key, context, most tokens, seed), ready at once."""
         turns = []
-        for key, context, max_tokens in requests:
+        for key, context, max_tokens, _ in requests:
             tokens = self.turn(context, max_tokens)
             turns.append((key, tokens, [-0.5] * len(tokens), None, len(context)))
         return SimpleNamespace(done=lambda: True, result=lambda: turns)
