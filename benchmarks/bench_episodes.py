@@ -40,7 +40,6 @@ docs/changelog.md (2026-11-28).
 """
 
 import argparse
-import datetime
 import json
 import os
 import shlex
@@ -54,7 +53,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
-from demo_table import machine, write_table  # noqa: E402
+from demo_table import stamp, write_table  # noqa: E402
 
 POLICY_CACHE = "episodes-policy-v1"  # the warm start's export, under the demo's cache
 TOOLS = {
@@ -253,10 +252,7 @@ if __name__ == "__main__":
     for engine in args.engines:  # vLLM installed, before the hf engine's settings are measured
         check_rollout(EngineSettings(name=engine))
 
-    cpu = machine()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    print(cpu, flush=True)
+    cpu, commit, date = stamp()
     model_path = warm_started_policy()
     _, train_file, _ = demo.prepare("multiply_tool")
     work = Path(tempfile.mkdtemp(prefix="bench_episodes_"))

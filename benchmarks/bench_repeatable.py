@@ -15,20 +15,19 @@ JSON beside it, which keeps every step's row).
 """
 
 import argparse
-import datetime
 import shlex
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_episodes import warm_started_policy  # noqa: E402
 from bench_tool_learning import grpo_flags, run_script  # noqa: E402
-from demo_table import machine, write_table  # noqa: E402
+from demo_table import stamp, write_table  # noqa: E402
 
 TOOL = f"{ROOT / 'benchmarks' / 'episode_tools_at_random.py'}:multiply"
 
@@ -57,13 +56,8 @@ if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     from common import demo
 
-    cpu = machine()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    print(cpu, flush=True)
+    cpu, commit, date = stamp()
     model_path = warm_started_policy()
-    import pyarrow.parquet as pq
-
     _, train_file, val_file = demo.prepare("multiply_tool")
     work = Path(tempfile.mkdtemp(prefix="bench_repeatable_"))
     pq.write_table(pq.read_table(val_file).slice(0, 16), work / "val16.parquet")

@@ -42,6 +42,16 @@ def machine() -> str:
     return f"{name}, {os.cpu_count()} cores, native bf16: {'yes' if bf16 else 'no'}, torch {torch.__version__}"
 
 
+def stamp() -> tuple[str, str, str]:
+    """What a figure's caption names: the machine (printed, as a run starts), the commit and today's date (UTC)."""
+    import datetime
+
+    cpu = machine()
+    print(cpu, flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return cpu, commit, datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+
+
 def write_table(lines: list[str], out: str, summary: dict) -> None:
     """Print a benchmark's markdown table (`lines`) and write it to `out`, and `summary` as JSON beside it."""
     table = "\n".join(lines)

@@ -124,14 +124,14 @@ class RolloutSupply:
         args, engines, prompts = self.args, self._engines(), batch.select("prompts", "prompt_mask")
         sampling = dict(do_sample=do_sample, top_p=args.top_p, top_k=args.top_k)
         if self.environments is not None:
-            generated = self._play(engines, batch, self.env_calls, sampling, self._next_play())
+            generated = self._play(engines, batch, self.env_calls, sampling, self._next_play_seed())
         else:
             generated = engines.scatter("generate", prompts, max_response_length=args.max_response_length, do_sample=do_sample)
         if "weight_version" not in generated:  # generated from the policy as it is now
             generated["weight_version"] = torch.full((len(generated),), self.version)
         return generated
 
-    def _next_play(self) -> int:
+    def _next_play_seed(self) -> int:
         """The next play's seed (common/episode_play.py: seed_of): from the run's seed and the plays before it, so that a
         resumed run's plays take the seeds the uninterrupted run's took."""
         from common.episode_play import seed_of
@@ -158,7 +158,7 @@ class RolloutSupply:
         if self.player_env_calls is None:  # never in this process (args.py): a thread cannot time a call out
             spec, timeout = self.environments.spec, args.reward_timeout
             self.player_env_calls = EnvProcesses(spec, self.reward_workers, timeout)
-        sampling, seed = dict(do_sample=True, top_p=args.top_p, top_k=args.top_k), self._next_play()  # asked now
+        sampling, seed = dict(do_sample=True, top_p=args.top_p, top_k=args.top_k), self._next_play_seed()  # asked now
         return lambda prompts: self._play(self.engines.group, prompts, self.player_env_calls, sampling, seed)
 
     def checkpoint_state(self) -> dict:
