@@ -1,7 +1,8 @@
-"""OpenEnv environments (`openenv-core`) as environments: `--env openenv:my_env.py:MyEnv` (or `openenv:my_package.env:MyEnv`),
-a class written on OpenEnv's `Environment`, made for each episode in the environment process (in-process); or `--env
-openenv:http://127.0.0.1:8000`, a server that OpenEnv's `create_app` serves and that runs already, reached through
-OpenEnv's own client (`GenericEnvClient`, a WebSocket session per episode).
+"""OpenEnv environments (`openenv-core`) as environments, in three ways: `--env openenv:my_env.py:MyEnv` (or
+`openenv:my_package.env:MyEnv`), a class written on OpenEnv's `Environment`, made for each episode in the environment
+process (in-process); `--env openenv:my_env.server.app:app`, the app of its `create_app`, which the run serves with
+uvicorn for each episode on a free port of localhost; `--env openenv:http://127.0.0.1:8000`, a server of it that runs
+already. A server is reached through OpenEnv's own client (`GenericEnvClient`, a WebSocket session per episode).
 
 Each becomes a step(text) environment (common/envs.py) alive for its episode: reset gets the row's columns (it takes
 those its signature names; a row's `seed` seeds it) and its observation's text is added to the prompt's last user message;
@@ -9,7 +10,7 @@ each model turn fills the action's one text field; the observation that step ret
 `reward` that turn's reward (turn_reward), and its `done` ends the episode; the environment scores every episode (the sum
 of its turns' rewards), so its rows need no reward function. An observation's text is its one string field, or, with
 several or none, its fields as JSON (`done`, `reward` and `metadata` aside). A server that stops answering ends the
-episodes using it with score 0 (common/tools.py's EnvironmentLost); the next episode connects again.
+episodes using it with score 0 (common/tools.py's EnvironmentLost); the next episode connects again, or starts its own.
 """
 
 from __future__ import annotations
@@ -18,45 +19,63 @@ import importlib
 import inspect
 import json
 import os
+import socket
+import subprocess
+import sys
+import time
 import typing
 
-SCHEMA_SECONDS = 30.0  # how long the run waits for a server's action schema when it starts
+SCHEMA_SECONDS = 30.0  # how long the run waits for a server to listen, and for its metadata and action schema
 NOT_FIELDS = ("done", "reward", "metadata")  # an observation's fields that are not its text
 
 
 def openenv_env_class(target: str, flag: str):
-    """The environment class of `--env openenv:target`: a server's URL, or the Environment class `module:ClassName`."""
+    """The environment class of `--env openenv:target`: a server's URL, an Environment class or an app of create_app."""
     try:
         import openenv.core  # noqa: F401
     except ImportError:
         raise ValueError(f"{flag}: the openenv-core package is not installed; pip install openenv-core") from None
     if target.startswith(("http://", "https://")):
         url = target.rstrip("/")
-        field = text_field(served_action_schema(url, flag), flag)
-        return type("openenv", (OpenEnvSession,), {"url": url, "action_field": field})
-    env_cls = environment_class(target, flag)
-    action_cls = action_class(env_cls, flag)
-    field = text_field(action_cls.model_json_schema(), flag)
-    return type(env_cls.__name__, (OpenEnvInProcess,), {"env_cls": env_cls, "action_cls": action_cls, "action_field": field})
-
-
-def environment_class(target: str, flag: str):
-    """The class `ClassName` of `path/to/file.py:ClassName` or `module:ClassName`, an OpenEnv Environment."""
+        name, field = served_environment(url, flag)
+        return type(name, (OpenEnvSession,), {"url": url, "action_field": field})
+    from fastapi import FastAPI
     from openenv.core import Environment
 
+    where, name, named = named_object(target, flag)
+    if isinstance(named, type) and issubclass(named, Environment):
+        action_cls = action_class(named, flag)
+        field = text_field(action_cls.model_json_schema(), flag)
+        return type(named.__name__, (OpenEnvInProcess,), {"env_cls": named, "action_cls": action_cls, "action_field": field})
+    if not isinstance(named, FastAPI):
+        raise ValueError(f"{flag}: {where}'s '{name}' is neither a class written on openenv.core's Environment nor an app")
+    app = uvicorn_app(where, name)
+    try:
+        server, url = start_server(app)
+    except RuntimeError as error:
+        raise ValueError(f"{flag}: {error}") from None
+    try:
+        env_name, field = served_environment(url, flag)
+    finally:
+        server.kill()
+        server.wait()
+    return type(env_name, (OpenEnvServedByRun,), {"app": app, "action_field": field})
+
+
+def named_object(target: str, flag: str) -> tuple[str, str, object]:
+    """Where `target` (`path/to/file.py:name` or `module:name`) points, the name, and what the module calls that name."""
     from common.isolation import load_user_file
 
     where, _, name = target.rpartition(":")
     if not where or not name:
-        raise ValueError(f"{flag}: write openenv:path/to/file.py:ClassName, openenv:module:ClassName or openenv:URL")
+        raise ValueError(f"{flag}: write openenv:path/to/file.py:NAME, openenv:module:NAME or openenv:URL")
     try:
         module = load_user_file(where) if where.endswith(".py") and os.path.isfile(where) else importlib.import_module(where)
     except ImportError as error:
         raise ValueError(f"{flag}: {where} does not import ({error})") from None
-    env_cls = getattr(module, name, None)
-    if not (isinstance(env_cls, type) and issubclass(env_cls, Environment)):
-        raise ValueError(f"{flag}: {where} defines no class '{name}' written on openenv.core's Environment")
-    return env_cls
+    if not hasattr(module, name):
+        raise ValueError(f"{flag}: {where} defines no '{name}' (an Environment class, or the app of its create_app)")
+    return where, name, getattr(module, name)
 
 
 def action_class(env_cls, flag: str):
@@ -74,24 +93,53 @@ def action_class(env_cls, flag: str):
     )
 
 
-def served_action_schema(url: str, flag: str) -> dict:
-    """The JSON schema of the action the server at `url` takes (its /schema, as OpenEnv's own CLI reads it), once its
-    WebSocket sessions open through OpenEnv's client."""
+def served_environment(url: str, flag: str) -> tuple[str, str]:
+    """The name of the environment the server at `url` serves and its action's text field (its /metadata and /schema,
+    as OpenEnv's own CLI reads them), once a WebSocket session opens through OpenEnv's client."""
     import requests
     from openenv.core import GenericEnvClient
 
     try:
-        response = requests.get(f"{url}/schema", timeout=SCHEMA_SECONDS)
-        response.raise_for_status()
+        answers = [requests.get(f"{url}/{what}", timeout=SCHEMA_SECONDS) for what in ("metadata", "schema")]
+        for answer in answers:
+            answer.raise_for_status()
         client = GenericEnvClient(base_url=url, connect_timeout_s=SCHEMA_SECONDS).sync()
         client.connect()
         client.close()
-        return response.json()["action"]
     except Exception as error:
         raise ValueError(
             f"{flag}: no OpenEnv server answers at {url} ({type(error).__name__}: {error}); start it (its create_app, "
             "served by uvicorn) or check the address"
         ) from None
+    return answers[0].json()["name"], text_field(answers[1].json()["action"], flag)
+
+
+def uvicorn_app(where: str, name: str) -> tuple[str, str | None]:
+    """What uvicorn imports to serve the app `name` of `where` (a module, or a file): its import string, its folder."""
+    if where.endswith(".py") and os.path.isfile(where):
+        return f"{os.path.basename(where).removesuffix('.py')}:{name}", os.path.dirname(os.path.abspath(where))
+    return f"{where}:{name}", None
+
+
+def start_server(app: tuple[str, str | None]) -> tuple[subprocess.Popen, str]:
+    """A server of `app` (uvicorn_app's) on a free port of localhost, once it listens, and its URL; its log's warnings
+    reach this process's standard error (the real one, where a test captures sys.stderr)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    import_string, folder = app
+    command = [sys.executable, "-m", "uvicorn", import_string, "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--log-level", "warning"] + (["--app-dir", folder] if folder else [])
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=sys.__stderr__)
+    deadline = time.monotonic() + SCHEMA_SECONDS
+    while server.poll() is None and time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return server, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.1)
+    server.kill()
+    raise RuntimeError(f"the server of {import_string} did not listen within {SCHEMA_SECONDS:.0f} s (exit {server.wait()})")
 
 
 def text_field(action_schema: dict, flag: str) -> str:
@@ -192,3 +240,22 @@ class OpenEnvSession(OpenEnvEpisode):
     def close(self) -> None:
         if getattr(self, "client", None) is not None:
             self.client.close()
+
+
+class OpenEnvServedByRun(OpenEnvSession):
+    """A server of the app, started for the episode (as create_app's default of one session serves) and stopped with it:
+    a server that dies takes its episode alone, and the next episode starts its own."""
+
+    app: tuple[str, str | None] = ("", None)
+
+    def started(self, row: dict) -> tuple[dict, float | None, bool]:
+        self.server, self.url = start_server(self.app)
+        return super().started(row)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if getattr(self, "server", None) is not None:
+                self.server.kill()
+                self.server.wait()

@@ -1,7 +1,7 @@
 """OpenEnv environments as environments (common/envs_openenv.py): an environment written on the real openenv-core's
-base classes, made in the environment process (in-process) and served by its own create_app on localhost (a server the
-test starts, a WebSocket session per episode through OpenEnv's client), played in the live environment processes by
-test_tools.py's scripted engine; a server killed mid-play; what bad input says."""
+base classes, made in the environment process (in-process), and served by its own create_app on localhost (a server the
+run starts for each episode, and one the test starts; a WebSocket session per episode through OpenEnv's client), played
+in the live environment processes by test_tools.py's scripted engine; servers killed mid-play; what bad input says."""
 
 import socket
 import subprocess
@@ -145,9 +145,25 @@ def test_an_environment_class_in_process(tool_tokenizer, tmp_path, game_file):
 
 def test_a_server_of_create_app_on_localhost(tool_tokenizer, tmp_path, server):
     environments = load_environments(episode_spec(f"openenv:{server}", None))
-    assert environments.names == ["openenv"] and environments.classes["openenv"].action_field == "guess"
+    assert environments.names == ["GuessDigit"] and environments.classes["GuessDigit"].action_field == "guess"
     _, episodes = played(tool_tokenizer, tmp_path, f"openenv:{server}", ROWS, SCRIPT)
     check_the_game(tool_tokenizer, episodes, SCRIPT)
+
+
+def test_a_server_the_run_starts_for_each_episode(tool_tokenizer, tmp_path, game_file, capsys):
+    REPORTED_FAILURES.clear()
+    environments = load_environments(episode_spec(f"openenv:{game_file}:app", None))
+    assert environments.names == ["GuessDigit"] and environments.classes["GuessDigit"].app[0] == "guess_digit:app"
+    _, episodes = played(tool_tokenizer, tmp_path, f"openenv:{game_file}:app", ROWS, SCRIPT)
+    check_the_game(tool_tokenizer, episodes, SCRIPT)
+    # a server killed mid-play takes its episode alone: the others play on their own servers, and the next starts one
+    script = {"Play.": ["5", "crash"], "Again.": ["1", "2", "3", "4", "6"], "Later.": ["7"]}
+    rows = [row("Play.", seed=7), row("Again.", seed=7), row("Later.", seed=7)]
+    _, episodes = played(tool_tokenizer, tmp_path, f"openenv:{game_file}:app", rows, script)
+    assert episodes["ending"].tolist() == ["error", "by_env", "by_env"]
+    assert episodes["turn_rewards"][1] == [-0.1] * 5 and episodes["turn_rewards"][2] == [1.0]
+    assert episodes["episode_score"].tolist() == [0.0, 0.0, 0.0]
+    assert "the environment failed (EnvironmentLost)" in capsys.readouterr().err
 
 
 def test_a_server_killed_mid_play_ends_its_episodes(tool_tokenizer, tmp_path, server, capsys):
@@ -159,14 +175,20 @@ def test_a_server_killed_mid_play_ends_its_episodes(tool_tokenizer, tmp_path, se
     assert "the environment failed (EnvironmentLost)" in capsys.readouterr().err
 
 
-def test_what_an_environment_that_cannot_be_reached_says(game_file, monkeypatch):
+def test_what_an_environment_that_cannot_be_reached_says(game_file, tmp_path, monkeypatch):
+    broken_app = tmp_path / "broken_app.py"  # an app the run imports, and its server, importing it by name, cannot
+    broken_app.write_text("from fastapi import FastAPI\n\napp = FastAPI()\nassert __name__ != 'broken_app'\n")
     with socket.socket() as probe:  # a port where nothing listens
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     with pytest.raises(ValueError, match=rf"--env 'openenv:http://127.0.0.1:{port}': no OpenEnv server answers at"):
         load_env(f"openenv:http://127.0.0.1:{port}")
-    with pytest.raises(ValueError, match="defines no class 'Nope' written on openenv.core's Environment"):
+    with pytest.raises(ValueError, match=r"defines no 'Nope' \(an Environment class, or the app of its create_app\)"):
         load_env(f"openenv:{game_file}:Nope")
+    with pytest.raises(ValueError, match="'GuessAction' is neither a class written on openenv.core's Environment nor an"):
+        load_env(f"openenv:{game_file}:GuessAction")
+    with pytest.raises(ValueError, match=r"the server of broken_app:app did not listen within 30 s \(exit 1\)"):
+        load_env(f"openenv:{broken_app}:app")
     with pytest.raises(ValueError, match="the action TwoFields has the fields guess, note; the adapter fills one text"):
         load_env(f"openenv:{game_file}:NoText")
     monkeypatch.setitem(sys.modules, "openenv.core", None)
