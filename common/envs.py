@@ -28,7 +28,7 @@ An environment is a plain Python class, named like a reward (`--env path/to/file
             return self.stock.get(item, 0)
 
         def get_reward(self) -> float:   # optional: the episode's score, when it ends; else the reward function's
-            ...
+            ...                          # (a parameter `final_turn` gets the model's answer that made no call, else None)
 
         def close(self):                 # optional: release what the episode held, however it ended
             ...
@@ -93,8 +93,9 @@ BUILTIN_ENVS = {"calculator": "common.envs:Calculator", "python": "common.python
 
 def load_env(spec: str):
     """A built-in environment by name, a game of another library (`gym:ID`, `textarena:ID`: common/envs_gym.py), an MCP
-    server's tools (`mcp:COMMAND`, `mcp:URL`: common/envs_mcp.py), or the class `ClassName` of
-    `path/to/file.py:ClassName`."""
+    server's tools (`mcp:COMMAND`, `mcp:URL`: common/envs_mcp.py), an OpenEnv environment (`openenv:MODULE:CLASS`,
+    `openenv:URL`: common/envs_openenv.py), a verifiers environment (`verifiers:MODULE`: common/envs_verifiers.py), or
+    the class `ClassName` of `path/to/file.py:ClassName`."""
     if spec in BUILTIN_ENVS:
         return import_function(BUILTIN_ENVS[spec])
     library, _, game_id = spec.partition(":")
@@ -106,11 +107,19 @@ def load_env(spec: str):
         from common.envs_mcp import mcp_env_class
 
         return mcp_env_class(game_id, f"--env '{spec}'")
+    if library == "openenv" and game_id:
+        from common.envs_openenv import openenv_env_class
+
+        return openenv_env_class(game_id, f"--env '{spec}'")
+    if library == "verifiers" and game_id:
+        from common.envs_verifiers import verifiers_env_class
+
+        return verifiers_env_class(game_id, f"--env '{spec}'")
     path, _, name = spec.rpartition(":")
     if not path or not name:
         raise ValueError(
-            f"--env '{spec}': name a built-in ({', '.join(BUILTIN_ENVS)}), a game (gym:ID, textarena:ID) or write "
-            "path/to/file.py:ClassName"
+            f"--env '{spec}': name a built-in ({', '.join(BUILTIN_ENVS)}), a game (gym:ID, textarena:ID), an adapter's "
+            "environment (mcp:, openenv:, verifiers:; docs/other-environments.md) or write path/to/file.py:ClassName"
         )
     if not os.path.isfile(path):
         raise ValueError(f"--env '{spec}': no file {path}")
@@ -233,15 +242,15 @@ class LiveEpisode:
         """("ok", what the request returned) or ("error", kind, traceback); never raises. `request`: ("open", the
         row's columns), which makes and resets the object and returns the text reset added to the prompt (or None);
         ("text", the model's turn) for step(text), and ("tools", calls parsed by parse_tool_calls), which return the
-        environment's answer and the turn's reward (see act); ("finish", whether get_reward scores the episode), which
-        returns that score (or None) and closes the object."""
+        environment's answer and the turn's reward (see act); ("finish", whether get_reward scores the episode[, the
+        model's final turn]), which returns that score (or None) and closes the object."""
         try:
             if request[0] == "open":
                 return "ok", self.open(request[1])
             if request[0] == "finish":
                 self.ended = True
                 try:
-                    return "ok", finite_score(self.env.get_reward(), "get_reward") if request[1] else None
+                    return "ok", finite_score(self.score(*request[2:]), "get_reward") if request[1] else None
                 finally:
                     self.close()
             return "ok", act(self.environments, self.name, self.env, request)
@@ -263,6 +272,13 @@ class LiveEpisode:
         if text is not None and not isinstance(text, str):
             raise TypeError(f"reset returned {type(text).__name__}: return None, or text to add to the prompt")
         return text
+
+    def score(self, final_turn: str | None = None) -> float:
+        """get_reward's score; given the model's answer that made no call when it takes `final_turn`: a tool environment
+        sees no other trace of it."""
+        if "final_turn" in inspect.signature(self.env.get_reward).parameters:
+            return self.env.get_reward(final_turn=final_turn)
+        return self.env.get_reward()
 
     def close(self) -> None:
         """The object's close(), if it has one."""

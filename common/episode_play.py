@@ -295,7 +295,8 @@ class EpisodePlay:
         """End `episode`: an environment with get_reward scores it, however it ended, and its close() runs."""
         episode.ending = ending
         episode.seconds = time.perf_counter() - self.start
-        self._call(episode, ("finish", self.environments.scores(episode.env_name)))
+        final_turn = episode.last_turn if ending == "answered" else None  # a tool environment did not play it
+        self._call(episode, ("finish", self.environments.scores(episode.env_name), final_turn))
         return False
 
     def _fail(self, episode: Episode, outcome: tuple) -> None:
