@@ -1,7 +1,7 @@
 """MCP tool servers as environments (common/envs_mcp.py): a server written with the real `mcp` package's MCPServer
 (FastMCP's successor in the SDK), on stdio (a server and a session per episode) and on Streamable HTTP (one server the
 test starts on localhost, a session per episode), played in the live environment processes by test_tools.py's
-scripted engine; a server that dies mid-episode; what a server that does not start says."""
+scripted engine; a server that dies mid-episode, on stdio and over HTTP; what a server that does not start says."""
 
 import socket
 import subprocess
@@ -109,14 +109,18 @@ def test_a_server_over_http_on_localhost(tool_tokenizer, server_file, tmp_path):
                 break
             except OSError:
                 time.sleep(0.2)
-        script = {"one?": [call("add", n=4), "4"]}
+        script = {"one?": [call("add", n=4), "4"], "broken?": [call("add", n=1), call("crash"), "never"]}
         url = f"http://127.0.0.1:{port}/mcp"
         _, episodes = played(tool_tokenizer, tmp_path, f"mcp:{url}", [row("one?")], script)
+        REPORTED_FAILURES.clear()
+        _, killed = played(tool_tokenizer, tmp_path, f"mcp:{url}", [row("broken?")], script)  # the server dies mid-episode
+        assert server.wait(timeout=30) == 3
     finally:
         server.kill()
         server.wait()
     assert episodes["ending"].tolist() == ["answered"] and episodes["tool_errors"].tolist() == [0]
     assert "<tool_response>\n4\n</tool_response>" in tool_tokenizer.decode(episodes["responses"][0])
+    assert killed["ending"].tolist() == ["error"] and killed["episode_score"].tolist() == [0.0]  # counted, score 0
 
 
 def test_a_server_that_does_not_start_stops_the_run_at_once(tmp_path):
