@@ -38,7 +38,7 @@ from common.episode_play import GATHER_SECONDS, Episode, EpisodeLimits, seed_of
 from common.episodes import episodes_batch, episodes_of
 from common.isolation import REPORTED_FAILURES
 from common.rollout import stop_end
-from common.tools import TOOL_CALL_FRAMING, parse_tool_calls, render
+from common.tools import TEMPLATE_HINT, TOOL_CALL_FRAMING, parse_tool_calls, render
 
 MODEL_NAME = "policy"  # what /v1/models lists: any `model` a request names is served by the policy
 ROLES = ("system", "user", "assistant", "tool")
@@ -284,6 +284,8 @@ class AgentPlay:
         max_tokens, stop = generation_limits(body)
         try:
             text = render(self.tokenizer, messages, tools)
+            if tools and text == render(self.tokenizer, messages):  # the model would never see them
+                raise Refused(400, f"the run's chat template ignores tools; {TEMPLATE_HINT}", "template_ignores_tools")
         except ValueError as error:
             raise Refused(400, f"the chat template cannot render these messages: {error}") from None
         with self.lock:

@@ -45,6 +45,7 @@ def mark(row, name, value):
 def chat(row, client):
     """Its own loop and tool dispatch; returns whether its answer is right, or None for the reward function."""
     mark(row, "url", str(client.base_url))
+    assert [model.id for model in client.models.list()] == ["policy"]
     messages = list(row["prompt"])
     while True:
         message = client.chat.completions.create(model="any", messages=messages, tools=TOOLS).choices[0].message
@@ -226,6 +227,19 @@ def test_the_sessions_limits_are_the_runs(tool_tokenizer, agents_file, tmp_path)
     assert sessions["refused_requests"].tolist() == [1] and sessions["response_mask"][0].sum() > 0
 
 
+def test_tools_a_template_would_not_show_are_refused(tool_tokenizer, agents_file, tmp_path, capsys):
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = dict(eos_token="<|im_end|>", pad_token="<pad>")
+    plain = PreTrainedTokenizerFast(tokenizer_object=tool_tokenizer.backend_tokenizer, **tokens)
+    plain.chat_template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    REPORTED_FAILURES.clear()
+    rows = [tagged("37*48=", "scored", tmp_path, "1776")]
+    _, sessions, _ = play(plain, tmp_path, f"{agents_file}:chat", rows, {"37*48=": ["1776"]})
+    assert sessions["ending"].tolist() == ["error"] and sessions["refused_requests"].tolist() == [1]
+    assert "the run's chat template ignores tools; pass --chat-template chatml_tools" in capsys.readouterr().err
+
+
 def test_agent_flags_are_checked_before_any_worker(demo_files, agents_file, tmp_path, monkeypatch):
     model, train, _ = demo_files
     flags, place = ["--model-path", model, "--train-files", train], dict(cwd=tmp_path, monkeypatch=monkeypatch)
@@ -265,3 +279,28 @@ def test_the_example_agent_solves_the_multiply_task(tool_tokenizer, tmp_path):
     assert sessions["episode_score"].tolist() == [1.0, 0.0] and sessions["turns"].tolist() == [2, 2]
     assert sessions["tool_calls"].tolist() == [0, 0]  # the agent's own dispatch: the run saw completions alone
     assert "<tool_response>\n5535\n</tool_response>" in tool_tokenizer.decode(sessions["responses"][0])
+
+
+def test_an_agent_plays_on_a_rollout_worker_while_the_policy_trains(ray_cluster, demo_files, tmp_path):
+    import pyarrow.parquet as pq
+
+    (tmp_path / "compact.jinja").write_text(COMPACT_TEMPLATE)
+    (tmp_path / "agent.py").write_text(
+        "async def solve(row, client):\n"
+        "    await client.chat.completions.create(model='policy', messages=row['prompt'], max_tokens=8)\n"
+    )
+    model, train, val = demo_files
+    pq.write_table(pq.read_table(val).slice(0, 8), tmp_path / "val.parquet")
+    flags = ["--model-path", model, "--train-files", train, "--val-files", str(tmp_path / "val.parquet")]
+    flags += ["--max-prompt-length", "24", "--max-response-length", "24", "--agent", f"{tmp_path}/agent.py:solve"]
+    flags += ["--chat-template", str(tmp_path / "compact.jinja")]
+    flags += ["--num-workers", "1", "--rollout-workers", "1", "--max-staleness", "1", "--total-steps", "2"]
+    flags += ["--train-batch-size", "4", "--n", "2", "--mini-batch-size", "4", "--no-val-before-train"]
+    flags += ["--val-batch-size", "8", "--reward-workers", "2"]
+    result = run_script("grpo_hybrid.py", *flags, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, rows = metrics_of(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    for step in rows:  # played by the engine apart ("newer_turns": its weights' versions), at most an update old
+        assert step["env/ended_answered"] == 1 and step["agent/segments_per_session"] == 1 and "env/newer_turns" in step
+        assert step["rollout/staleness_max"] <= 1
