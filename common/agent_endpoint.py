@@ -160,7 +160,6 @@ class AgentPlay:
         for i, episode in enumerate(episodes):
             episode.key, episode.rank = f"{self.name}/{i}", i * ranks // len(episodes)  # a group's sessions on one rank
             self.sessions[f"{self.name}-{i}"] = Session(episode, i)
-        self.by_key = {session.episode.key: session for session in self.sessions.values()}
         self.waiting, self.under_way = {r: [] for r in range(ranks)}, {}  # by rank; by key, the turns at the engine
         self.ready_since = dict.fromkeys(range(ranks), self.start)  # by rank, when its first waiting turn came
         calls, work_before = {}, self.policy.broadcast("open_turns")
@@ -177,7 +176,8 @@ class AgentPlay:
                     for rank in [rank for rank, call in calls.items() if call.done()]:
                         for key, tokens, log_probs, version, _ in calls.pop(rank).result():
                             self._take_turn(self.under_way.pop(key), tokens, log_probs, version)
-                    for ticket, outcome in self.env_calls.collect(timeout=0.002).items():
+                    # while an engine generates, its answer is looked for every 2 ms; else the endpoint's every 10 ms
+                    for ticket, outcome in self.env_calls.collect(timeout=0.002 if calls else 0.01).items():
                         self._answer(*self.stepping.pop(ticket), outcome)
                 self._gather()  # what came after the sessions ended: a call from a thread an agent left behind
                 for turn in [turn for turns in self.waiting.values() for turn in turns]:

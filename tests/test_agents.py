@@ -254,8 +254,7 @@ def test_grpo_steps_with_an_agent(demo_files, tmp_path):
 
     (tmp_path / "compact.jinja").write_text(COMPACT_TEMPLATE)
     (tmp_path / "agent.py").write_text(
-        "def solve(row, client):\n"
-        "    client.chat.completions.create(model='policy', messages=row['prompt'], max_tokens=8)\n"
+        "def solve(row, client):\n    client.chat.completions.create(model='policy', messages=row['prompt'], max_tokens=8)\n"
     )
     model, train, val = demo_files
     pq.write_table(pq.read_table(val).slice(0, 8), tmp_path / "val.parquet")
