@@ -16,7 +16,7 @@ from common.episode_play import EpisodeLimits
 from common.episodes import episode_metrics
 from common.isolation import REPORTED_FAILURES
 from common.tools import multiply, render, tool_schema
-from helpers import metrics_of, run_script, stop_in_process
+from helpers import VLLM_FP32, metrics_of, run_script, stop_in_process
 from test_tools import COMPACT_TEMPLATE, ScriptedEngine, call, row
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -249,7 +249,8 @@ def test_agent_flags_are_checked_before_any_worker(demo_files, agents_file, tmp_
     assert "--env and --tools play the run's loop of turns" in stop and "PolicyWorker" not in stop
 
 
-def test_grpo_steps_with_an_agent(demo_files, tmp_path):
+@pytest.mark.parametrize("engine", [[], VLLM_FP32], ids=["hf", "vllm"])
+def test_grpo_steps_with_an_agent(demo_files, tmp_path, engine):
     import pyarrow.parquet as pq
 
     (tmp_path / "compact.jinja").write_text(COMPACT_TEMPLATE)
@@ -262,7 +263,7 @@ def test_grpo_steps_with_an_agent(demo_files, tmp_path):
     flags += ["--max-prompt-length", "24", "--max-response-length", "24", "--agent", f"{tmp_path}/agent.py:solve"]
     flags += ["--chat-template", str(tmp_path / "compact.jinja"), "--in-process", "--total-steps", "1"]
     flags += ["--train-batch-size", "4", "--n", "2", "--mini-batch-size", "4", "--no-val-before-train"]
-    flags += ["--val-batch-size", "8", "--reward-workers", "2"]
+    flags += ["--val-batch-size", "8", "--reward-workers", "2", *engine]
     result = run_script("grpo_hybrid.py", *flags, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     _, [step] = metrics_of(tmp_path)
