@@ -88,8 +88,14 @@ class RunArgs:
     """the chat template prompts and episodes are rendered with, in place of the model's (exported with it): a Jinja
     file, or a built-in (chatml_tools: ChatML with Qwen's and Hermes' tool calls, for a model whose template knows no
     tools)"""
+    agent: str | None = None
+    """an agent program, `path/to/file.py:solve`: solve(row, client), plain or async, runs in the environment processes
+    with an `openai` client of its own session on an endpoint the run serves during its rollouts, and returns the
+    session's reward, or None for the reward function to score its last completion; --n sessions per row (docs/agents.md)"""
+    agent_timeout: float = flag(300.0, resumable=True, positive=True)
+    """with --agent: seconds a session (its whole solve) may take before it ends with score 0"""
     max_turns: int = flag(4, positive=True)
-    """with --env or --tools: most model turns per episode"""
+    """with --env or --tools: most model turns per episode; with --agent, most requests per session"""
     deterministic: bool = flag(False, resumable=True)
     """with --env or --tools: two runs of a seed and a resumed run give the same episodes whatever the environments'
     timing: an engine takes turns in rounds (once each of its episodes' environments answered), and engines apart get
@@ -278,6 +284,7 @@ def check_args(args: RunArgs) -> None:
     check_rollout_correction(args)
     check_micro_batches(args)
     check_processes(args)
+    check_agent(args)
     check_scoring_and_files(args)
 
 
@@ -324,6 +331,30 @@ def check_processes(args: RunArgs) -> None:
         raise ValueError("--offload makes room for an engine in the policy's processes: drop it with --rollout-workers")
     if args.reward_workers is not None and args.reward_workers < 0:
         raise ValueError(f"--reward-workers is {args.reward_workers}; use 0 to score in this process, or more")
+
+
+def check_agent(args: RunArgs) -> None:
+    """An agent program (--agent): the flags it cannot take, what serves it, and its file and function."""
+    from common.envs_agent import load_agent
+
+    if args.agent is None:
+        return
+    if args.env or args.tools:
+        raise ValueError(
+            "--agent runs a program that makes its own turns and calls its own tools; --env and --tools play the run's "
+            "loop of turns with the environment's tools: pass one of them"
+        )
+    if args.reward_workers == 0:
+        raise ValueError(
+            "--reward-workers 0 with --agent: each session's agent runs in the environment processes while this one serves "
+            "its requests; use --reward-workers 1 or more"
+        )
+    if args.deterministic:
+        raise ValueError("--deterministic with --agent: an agent's requests come when its program sends them; drop one")
+    missing = [module for module in ("openai", "fastapi", "uvicorn") if importlib.util.find_spec(module) is None]
+    if missing:
+        raise ValueError(f"--agent needs {', '.join(missing)}: pip install 'hybridrl[agent]'")
+    load_agent(args.agent)
 
 
 def check_scoring_and_files(args: RunArgs) -> None:

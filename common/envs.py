@@ -203,20 +203,26 @@ class Environments:
         return tools
 
 
-def episode_spec(env: str | None, tools: list[str] | None) -> str:
-    """--env and --tools as flags in one string: what an environment process loads (load_environments)."""
-    return shlex.join((["--env", env] if env else []) + (["--tools", *tools] if tools else []))
+def episode_spec(env: str | None, tools: list[str] | None, agent: str | None = None) -> str:
+    """--env, --tools and --agent as flags in one string: what an environment process loads (load_environments)."""
+    flags = (["--env", env] if env else []) + (["--tools", *tools] if tools else [])
+    return shlex.join(flags + (["--agent", agent] if agent else []))
 
 
 def load_environments(spec: str) -> Environments:
     """The Environments of `spec` (episode_spec's flags): each of --env's comma-separated environments, by the
-    built-in's or the class's name, and --tools' tools."""
-    flags, current = {"--env": [], "--tools": []}, None
+    built-in's or the class's name, and --tools' tools; or --agent's program, as the environment `agent`
+    (common/envs_agent.py)."""
+    flags, current = {"--env": [], "--tools": [], "--agent": []}, None
     for word in shlex.split(spec):
         if word in flags:
             current = word
         else:
             flags[current].append(word)
+    if flags["--agent"]:
+        from common.envs_agent import agent_env_class
+
+        return Environments({"agent": agent_env_class(flags["--agent"][0])}, {}, spec)
     classes = {}
     for env_spec in ",".join(flags["--env"]).split(",") if flags["--env"] else []:
         env_cls = load_env(env_spec)
@@ -243,14 +249,16 @@ class LiveEpisode:
         row's columns), which makes and resets the object and returns the text reset added to the prompt (or None);
         ("text", the model's turn) for step(text), and ("tools", calls parsed by parse_tool_calls), which return the
         environment's answer and the turn's reward (see act); ("finish", whether get_reward scores the episode[, the
-        model's final turn]), which returns that score (or None) and closes the object."""
+        model's final turn]), which returns that score (None: it has none, or get_reward returned None, and the reward
+        function scores the episode) and closes the object."""
         try:
             if request[0] == "open":
                 return "ok", self.open(request[1])
             if request[0] == "finish":
                 self.ended = True
                 try:
-                    return "ok", finite_score(self.score(*request[2:]), "get_reward") if request[1] else None
+                    score = self.score(*request[2:]) if request[1] else None
+                    return "ok", None if score is None else finite_score(score, "get_reward")
                 finally:
                     self.close()
             return "ok", act(self.environments, self.name, self.env, request)

@@ -34,22 +34,27 @@ def run_episodes(
     reward on that turn's last token (see split_turn_rewards); and with engines apart, weight_versions'. Each token's
     rollout log-prob is the one its engine sampled it with: the off-policy correction holds per token. `repeat`: the
     play's `seed` and `lockstep` (EpisodePlay)."""
+    episodes = episodes_of(batch, environments)
+    prompts = [episode.prompt for episode in episodes]  # a reset that adds text gives an episode another
+    play = EpisodePlay(policy, env_calls, environments, tokenizer, eos_token_ids, limits, sampling, **repeat)
+    play.play(episodes)
+    report_failures(play.failures, play.tool_failures)
+    return episodes_batch(batch, episodes, prompts, limits.max_response_length, play.pad, play.engine_idle_share)
+
+
+def episodes_batch(batch, episodes: list[Episode], prompts: list, width: int, pad: int, engine_idle_share: float, **more):
+    """`episodes`, played from `batch`'s rows (whose prompts' tokens were `prompts`), as run_episodes returns them, each
+    response `width` tokens; `more`: other lists to return per row."""
     import torch
 
     from common.data import collate
     from common.dataproto import DataProto
     from common.rollout import response_tensors
 
-    episodes = episodes_of(batch, environments)
-    prompts = [episode.prompt for episode in episodes]  # a reset that adds text gives an episode another
-    play = EpisodePlay(policy, env_calls, environments, tokenizer, eos_token_ids, limits, sampling, **repeat)
-    play.play(episodes)
-    report_failures(play.failures, play.tool_failures)
-    width = limits.max_response_length
-    responses, own, log_probs, turn_rewards = laid_out(episodes, width, play.pad)
+    responses, own, log_probs, turn_rewards = laid_out(episodes, width, pad)
     left = {}
     if any(episode.prompt != prompt for episode, prompt in zip(episodes, prompts)):  # a reset added to a prompt
-        grown = collate(DataProto.from_dict(non_tensors={"prompt_ids": [e.prompt for e in episodes]}), play.pad)
+        grown = collate(DataProto.from_dict(non_tensors={"prompt_ids": [e.prompt for e in episodes]}), pad)
         left = {"prompts": grown["prompts"], "prompt_mask": grown["prompt_mask"]}
         batch["prompts"], batch["prompt_mask"] = left["prompts"], left["prompt_mask"]  # so that `batch | episodes` holds
     versioned = weight_versions(episodes)
@@ -71,8 +76,9 @@ def run_episodes(
             "tool_errors": [e.tool_errors for e in episodes],
             "episode_seconds": [e.seconds for e in episodes],
             "computed_again": [e.computed_again for e in episodes],
-            "engine_idle_share": [play.engine_idle_share] * len(episodes),
-        },
+            "engine_idle_share": [engine_idle_share] * len(episodes),
+        }
+        | more,
     )
 
 
@@ -154,7 +160,9 @@ def episode_metrics(batch, prefix: str) -> dict[str, float]:
     """Model turns and tool calls (and those answered with an error message) per episode on average, the environment's
     mean reward of each turn (`turn_reward_<k>`), the share of episodes that ended each way (ENDINGS), the share of
     the play's time the engines stood idle (waiting for environments) and the context tokens they computed again per
-    turn after an episode's first (what no cache had kept of the earlier turns)."""
+    turn after an episode's first (what no cache had kept of the earlier turns); of an agent's sessions, their
+    segments (1: a session whose requests extended each other), the share that rewrote their history and the requests
+    the endpoint refused, per session."""
     endings, episodes = list(batch["ending"]), len(batch)
     later_turns = sum(max(0, turns - 1) for turns in batch["turns"])
     metrics = {
@@ -166,6 +174,11 @@ def episode_metrics(batch, prefix: str) -> dict[str, float]:
     }
     if "newer_turns" in batch:  # turns generated from newer weights than their episode's first (off-policy)
         metrics[f"{prefix}newer_turns"] = batch["newer_turns"].float().mean().item()
+    if "segments" in batch:  # an agent's sessions (common/agent_endpoint.py): how many rewrote their history
+        segments = [int(count) for count in batch["segments"]]
+        metrics["agent/segments_per_session"] = sum(segments) / episodes
+        metrics["agent/rewritten_sessions"] = sum(count > 1 for count in segments) / episodes
+        metrics["agent/refused_requests"] = sum(batch["refused_requests"]) / episodes
     rewards = list(batch["turn_rewards"]) if "turn_rewards" in batch else []
     for turn in range(max(map(len, rewards), default=0)):  # the environment's reward of each turn, over episodes that had it
         given = [r[turn] for r in rewards if len(r) > turn]

@@ -25,8 +25,10 @@ class RolloutSupply:
         self.engine = engine  # how the engines generate (EngineSettings), in the policy's processes or apart
         self.train_loader, self.train_batches = train_loader, train_loader.forever()
         self.env_calls, self.reward_workers = None, reward_workers
+        # an agent's call is its whole session
+        self.env_timeout = args.agent_timeout if args.agent else args.reward_timeout
         if environments is not None and reward_workers:
-            self.env_calls = EnvProcesses(environments.spec, reward_workers, args.reward_timeout)
+            self.env_calls = EnvProcesses(environments.spec, reward_workers, self.env_timeout)
         elif environments is not None:
             self.env_calls = EnvsInProcess(environments, args.reward_timeout)
         # the policy's group, the engines apart (--rollout-workers), and the policy's version: its updates so far, set
@@ -144,6 +146,11 @@ class RolloutSupply:
 
         args = self.args
         limits = EpisodeLimits(args.max_turns, args.max_prompt_length, args.max_response_length)
+        if args.agent:  # sessions of an agent program, served by an endpoint (common/agent_endpoint.py)
+            from common.agent_endpoint import run_sessions
+
+            played = (engines, batch, env_calls, self.environments, self.tokenizer, self.eos_token_ids, limits, sampling)
+            return run_sessions(*played, seed=seed, agent_timeout=args.agent_timeout)
         repeat = dict(seed=seed, lockstep=args.deterministic)
         return run_episodes(
             engines, batch, env_calls, self.environments, self.tokenizer, self.eos_token_ids, limits, sampling, **repeat
@@ -156,8 +163,7 @@ class RolloutSupply:
 
         args = self.args
         if self.player_env_calls is None:  # never in this process (args.py): a thread cannot time a call out
-            spec, timeout = self.environments.spec, args.reward_timeout
-            self.player_env_calls = EnvProcesses(spec, self.reward_workers, timeout)
+            self.player_env_calls = EnvProcesses(self.environments.spec, self.reward_workers, self.env_timeout)
         sampling, seed = dict(do_sample=True, top_p=args.top_p, top_k=args.top_k), self._next_play_seed()  # asked now
         return lambda prompts: self._play(self.engines.group, prompts, self.player_env_calls, sampling, seed)
 

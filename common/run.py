@@ -74,7 +74,7 @@ class Run:
     def _load_data(self, prompts_per_batch: int | None):
         """The train and validation loaders (prompts, or a supervised run's transcripts; batches of `prompts_per_batch`,
         default --train-batch-size) and the scorer that checks the prompts' data sources; --total-epochs turns into
-        steps here. Returns the environments of --env/--tools."""
+        steps here. Returns the environments of --env/--tools, or --agent's."""
         from common.data import PromptLoader, load_prompts, pad_token_id
         from common.envs import episode_spec, load_environments
         from common.scoring import Scorer
@@ -96,8 +96,10 @@ class Run:
             self.val_name = self.by_generation.name if self.by_generation else self.val_name
         else:
             self.scorer = Scorer(args, self.tokenizer)
-            environments = load_environments(episode_spec(args.env, args.tools)) if args.env or args.tools else None
-            envs = environments and environments.check(self.tokenizer, self.eos_token_ids)  # each one's tools, by name
+            spec = episode_spec(args.env, args.tools, args.agent)
+            environments = load_environments(spec) if spec else None
+            # each one's tools, by name; an agent's requests bring their own
+            envs = environments.check(self.tokenizer, self.eos_token_ids) if environments and not args.agent else None
             overlong = "drop" if args.filter_overlong_prompts else "truncate" if args.truncate_prompts else "error"
             train_data = load_prompts(args.train_files, self.tokenizer, args.max_prompt_length, overlong, envs)
             val_data = train_data
@@ -146,7 +148,7 @@ class Run:
         args, reward_workers = self.args, self.args.reward_workers
         if reward_workers is None:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # not on macOS
-            reward_workers = 0 if args.in_process else min(cores, 16)
+            reward_workers = 0 if args.in_process and not args.agent else min(cores, 16)  # agents run in processes
         colocated = not self.supervised and self.scorer.by_model and not args.reward_model_workers  # a scorer beside it
         self.pool = None if args.in_process else self._start_pool(max_colocated=worker_groups + colocated)
         self.rollouts = None
