@@ -49,7 +49,7 @@ class Slow:
         self.process.wait()
 '''
 
-ASYNC = ["--rollout-workers", "1", "--max-staleness", "1"]
+ASYNC = ["--num-workers", "1", "--rollout-workers", "1", "--max-staleness", "1"]  # a worker each: the tests share 4 CPUs
 
 
 def test_a_seeded_row_draws_the_same_tokens_whatever_rows_share_its_batch():
