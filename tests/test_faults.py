@@ -239,7 +239,9 @@ def test_an_asynchronous_run_stopped_by_sigterm_then_killed_resumes_as_if_never_
     assert process.returncode == 0, stderr[-3000:]
     [checkpoint] = complete_checkpoints(run_dir)
     stopped_at = int(checkpoint.name.removeprefix("step_"))
-    assert stopped_at < 4 and torch.load(checkpoint / "driver.pt", weights_only=False)["in_flight"]
+    # the tiny model's steps take some 50 ms, so the stop may land a few steps after the first: by step 4 it leaves the
+    # resume steps 5 and 6, and the kill after step 5 its checkpoint of step 4
+    assert stopped_at <= 4 and torch.load(checkpoint / "driver.pt", weights_only=False)["in_flight"]
     process = start_script(f"{algo}_hybrid.py", *flags, "--resume", "auto", cwd=cwd)
     kill_in_the_update_after(process, run_dir, 5)
     [checkpoint] = complete_checkpoints(run_dir)
