@@ -107,10 +107,9 @@ class VerifiersEpisode:
         """Add the model's turn `message` to the conversation and the state's trajectory; whether that ends it."""
         from verifiers.types import TrajectoryStep
 
-        step = TrajectoryStep(
-            prompt=list(self.messages), completion=[message], response=None, tokens=None, reward=None, advantage=None,
-            is_truncated=False, trajectory_id=self.state["trajectory_id"], extras={},
-        )  # fmt: skip
+        blank = dict(response=None, tokens=None, reward=None, advantage=None, is_truncated=False, extras={})  # not yet known
+        turn = dict(prompt=list(self.messages), completion=[message], trajectory_id=self.state["trajectory_id"])
+        step = TrajectoryStep(**turn, **blank)
         settled(self.environment.add_trajectory_step(self.state, step))
         self.messages.append(message)
         return settled(self.environment.is_completed(self.state))
