@@ -24,7 +24,6 @@ import asyncio
 import json
 import queue
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -36,7 +35,7 @@ from fastapi.responses import JSONResponse
 from common.data import pad_token_id
 from common.episode_play import GATHER_SECONDS, Episode, EpisodeLimits, seed_of
 from common.episodes import episodes_batch, episodes_of
-from common.isolation import REPORTED_FAILURES
+from common.isolation import report_once
 from common.rollout import stop_end
 from common.tools import TEMPLATE_HINT, TOOL_CALL_FRAMING, parse_tool_calls, render
 
@@ -438,10 +437,8 @@ def run_sessions(
 def report_failures(failures: dict) -> None:
     """Print the first traceback of each kind of an agent's failure, once per run: its session ended with score 0."""
     for kind, (episode, trace) in failures.items():
-        if f"agent {kind}" not in REPORTED_FAILURES:
-            REPORTED_FAILURES.add(f"agent {kind}")
-            print(
-                f"an agent failed ({kind}) in a session for {episode.row}:\n{trace}The session ends with score 0 and counts "
-                "in env/ended_error; fix the agent.",
-                file=sys.stderr,
-            )
+        report_once(
+            f"agent {kind}",
+            f"an agent failed ({kind}) in a session for {episode.row}:\n{trace}The session ends with score 0 and counts "
+            "in env/ended_error; fix the agent.",
+        )

@@ -3,10 +3,8 @@ with what the losses, the rewards and the metrics read of each episode."""
 
 from __future__ import annotations
 
-import sys
-
 from common.episode_play import ENDINGS, Episode, EpisodeLimits, EpisodePlay
-from common.isolation import REPORTED_FAILURES
+from common.isolation import report_once
 
 CONTROL_FIELDS = ("env", "environment")  # the row's fields that pick its environment: not reset's
 
@@ -139,21 +137,17 @@ def report_failures(failures: dict, tool_failures: dict) -> None:
     """Print the first traceback of each kind of an environment's failure (the episode ended with score 0), and of each
     kind of exception a tool raised (the model got the error as the call's result): once per kind and run."""
     for kind, (episode, trace) in failures.items():
-        if f"env {kind}" not in REPORTED_FAILURES:
-            REPORTED_FAILURES.add(f"env {kind}")
-            print(
-                f"the environment failed ({kind}) after the turn {episode.last_turn!r} of an episode for {episode.row}:\n"
-                f"{trace}The episode ends with score 0 and counts in env/ended_error; fix the environment.",
-                file=sys.stderr,
-            )
+        report_once(
+            f"env {kind}",
+            f"the environment failed ({kind}) after the turn {episode.last_turn!r} of an episode for {episode.row}:\n"
+            f"{trace}The episode ends with score 0 and counts in env/ended_error; fix the environment.",
+        )
     for kind, (episode, trace) in tool_failures.items():
-        if f"tool {kind}" not in REPORTED_FAILURES:
-            REPORTED_FAILURES.add(f"tool {kind}")
-            print(
-                f"a tool raised {kind} in an episode for {episode.row}:\n{trace}The model got the error as the call's "
-                "result and the episode went on (it counts in env/tool_errors); fix the tool if it should not raise.",
-                file=sys.stderr,
-            )
+        report_once(
+            f"tool {kind}",
+            f"a tool raised {kind} in an episode for {episode.row}:\n{trace}The model got the error as the call's "
+            "result and the episode went on (it counts in env/tool_errors); fix the tool if it should not raise.",
+        )
 
 
 def episode_metrics(batch, prefix: str) -> dict[str, float]:

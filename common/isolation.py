@@ -36,6 +36,13 @@ PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPORTED_FAILURES: set[str] = set()  # the kinds of failure of a user's code printed so far in this process
 
 
+def report_once(kind: str, message: str) -> None:
+    """Print `message` to stderr the first time this process meets a failure of `kind` (REPORTED_FAILURES)."""
+    if kind not in REPORTED_FAILURES:
+        REPORTED_FAILURES.add(kind)
+        print(message, file=sys.stderr)
+
+
 @dataclass(frozen=True)
 class CallKind:
     """What a pool calls. `name` ("reward", "env") and `flag` ("--reward-fn", "--env") are for messages; `load` and

@@ -12,13 +12,12 @@ import math
 import numbers
 import os
 import re
-import sys
 import traceback
 from collections import defaultdict
 from statistics import fmean
 from typing import TYPE_CHECKING
 
-from common.isolation import REPORTED_FAILURES, CallKind, UserCodeError, load_user_file
+from common.isolation import CallKind, UserCodeError, load_user_file, report_once
 from common.sandbox import code_reward
 
 if TYPE_CHECKING:
@@ -282,9 +281,7 @@ def score_texts(
                 f"response {text!r} (the reward: {rewards.name}):\n{trace}"
             )
             first_failure = first_failure or failure
-            if kind not in REPORTED_FAILURES:
-                REPORTED_FAILURES.add(kind)
-                print(f"{failure}The sample scores 0 and counts in reward/errors; fix the reward function.", file=sys.stderr)
+            report_once(kind, f"{failure}The sample scores 0 and counts in reward/errors; fix the reward function.")
     if errors > max_error_share * len(texts):
         raise RewardError(
             f"the reward function failed for {errors} of {len(texts)} samples, more than --max-reward-error-share "
