@@ -10,8 +10,9 @@ with the completion, the model's tool calls as OpenAI `tool_calls` (read as --to
 Token in, token out: a request whose rendering starts with the session's previous prompt and completion (as text) is
 that context's tokens, the engine's own, and the new text encoded after them. A session whose every request does so is
 one sample: the model's tokens in the loss, the rest masked, as an episode's layout. A request that rewrote the history
-(a summary, a dropped message) is served, but its session is not trained on yet: its mask is empty and it scores 0,
-counted in `agent/rewritten_sessions` and `agent/segments_per_session`.
+(a summary, a dropped message) starts a segment, a sample of its own whose prompt is that request's: the session's
+segments are consecutive rows of the batch that share its row's fields (its group's uid) and its reward, counted in
+`agent/segments_per_session` and `agent/rewritten_sessions`.
 
 What a request may carry: REFUSED names the fields answered with HTTP 400 unless they hold the one value served,
 IGNORED those read and ignored (the run's flags sample: the log-probs that train are the ones sampled at --temperature);
@@ -60,14 +61,15 @@ class Refused(Exception):
 
 @dataclass
 class Session:
-    """One agent's session: its episode (what is trained on), and the context its next request may extend."""
+    """One agent's session: its episode, its segments (the samples that train: the episode, then one for each request
+    that did not extend the context before it), and the context its next request may extend."""
 
     episode: Episode
     place: int  # its row's place in the batch: its turns' seeds
+    segments: list[Episode] = field(default_factory=list)
+    requests: int = 0  # requests the engine answered
     context: list[int] | None = None  # the last request's prompt and completion (None before the first request)
     context_text: str = ""
-    segment_start: int = 0  # the tokens of its segment's first prompt: what the segment's room is counted after
-    segments: int = 0  # 1: every request extended the one before it
     refused: int = 0  # requests answered with an HTTP error
     busy: bool = False  # a request of it is under way
     ended: bool = False  # its agent returned, failed or ran out of time: it makes no more requests
@@ -82,6 +84,7 @@ class Turn:
     max_tokens: int
     stop: list[str]
     tools: list[dict] | None  # the request's, whose calls the completion is read for
+    extends: bool  # whether its prompt extends its session's context (else it starts a segment)
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     completion: list[int] = field(default_factory=list)
@@ -158,7 +161,7 @@ class AgentPlay:
         self.sessions = {}
         for i, episode in enumerate(episodes):
             episode.key, episode.rank = f"{self.name}/{i}", i * ranks // len(episodes)  # a group's sessions on one rank
-            self.sessions[f"{self.name}-{i}"] = Session(episode, i)
+            self.sessions[f"{self.name}-{i}"] = Session(episode, i, [episode])
         self.waiting, self.under_way = {r: [] for r in range(ranks)}, {}  # by rank; by key, the turns at the engine
         self.ready_since = dict.fromkeys(range(ranks), self.start)  # by rank, when its first waiting turn came
         calls, work_before = {}, self.policy.broadcast("open_turns")
@@ -215,7 +218,7 @@ class AgentPlay:
         for turn in turns:
             session = turn.session
             self.under_way[session.episode.key] = turn
-            seed = None if self.seed is None else seed_of(self.seed, session.place, session.episode.turns)
+            seed = None if self.seed is None else seed_of(self.seed, session.place, session.requests)
             requests.append((session.episode.key, turn.tokens, turn.max_tokens, seed))
         return self.policy.submit_rank(rank, "turns", self.name, requests, **self.sampling)
 
@@ -230,19 +233,19 @@ class AgentPlay:
         with self.lock:
             if session.ended:
                 return resolve(turn, Refused(410, ENDED, "session_ended"))
-            if session.segments == 1:  # the session's one sample: its prompt, then what each request added
-                if session.context is None:
-                    episode.prompt = turn.tokens
-                else:
-                    episode.tokens += turn.tokens[len(session.context) :]
-                    episode.own += [False] * (len(turn.tokens) - len(session.context))
-                    episode.log_probs += [0.0] * (len(turn.tokens) - len(session.context))
-                episode.tokens += turn.completion
-                episode.own += [True] * kept
-                episode.log_probs += log_probs[:kept]
-                episode.turn_ends.append(len(episode.tokens) - 1)
-                episode.versions.append(version)
-            episode.turns += 1
+            sample = session.segments[-1]  # its segment: its prompt, then what each request added
+            if turn.extends:  # what the agent added since (tool results, its messages): masked
+                added = len(turn.tokens) - len(session.context)
+                sample.tokens += turn.tokens[len(session.context) :]
+                sample.own += [False] * added
+                sample.log_probs += [0.0] * added
+            sample.tokens += turn.completion
+            sample.own += [True] * kept
+            sample.log_probs += log_probs[:kept]
+            sample.turn_ends.append(len(sample.tokens) - 1)
+            sample.versions.append(version)
+            sample.turns += 1
+            session.requests += 1
             episode.last_turn = self.tokenizer.decode(turn.completion, skip_special_tokens=True)
             session.context = turn.tokens + turn.completion
             session.context_text = self.tokenizer.decode(session.context)
@@ -292,28 +295,37 @@ class AgentPlay:
                 raise Refused(410, ENDED, "session_ended")
             if session.busy:
                 raise Refused(400, "a session takes one request at a time: wait for its answer", "session_busy")
-            if session.episode.turns >= self.limits.max_turns:
+            if session.requests >= self.limits.max_turns:
                 raise Refused(400, f"the session made --max-turns {self.limits.max_turns} requests", "max_turns")
             # the engine's tokens of the context it extends, and what follows encoded: token in, token out
-            if session.context is not None and text.startswith(session.context_text):
+            extends = session.context is not None and text.startswith(session.context_text)
+            if extends:
                 tokens = session.context + self.encode(text[len(session.context_text) :])
             else:
                 tokens = self.encode(text)
                 self._start_segment(session, tokens)
-            room = self.limits.max_response_length - (len(tokens) - session.segment_start)
+            # the segment's response tokens so far, and this request's additions to its context
+            room = self.limits.max_response_length - (len(tokens) - len(session.segments[-1].prompt))
             if room <= 0:
                 session.episode.ending = "token_limit"
                 too_long = "the session's conversation is --max-response-length tokens long"
                 raise Refused(400, too_long, "context_length_exceeded")
             session.busy = True
-        return Turn(session, tokens, min(room, max_tokens or room), stop, tools, loop, loop.create_future())
+        return Turn(session, tokens, min(room, max_tokens or room), stop, tools, extends, loop, loop.create_future())
 
     def _start_segment(self, session: Session, tokens: list[int]) -> None:
-        """A request that does not extend its session's context starts a segment of its own prompt."""
+        """A request that does not extend its session's context starts a segment whose prompt is its own (the first
+        request's: the episode's); a segment that the engine did not answer yet gives its place to this one."""
         if len(tokens) > self.limits.max_prompt_length:
             too_long = f"the prompt is {len(tokens)} tokens, more than --max-prompt-length {self.limits.max_prompt_length}"
             raise Refused(400, too_long, "context_length_exceeded")
-        session.segments, session.segment_start = session.segments + 1, len(tokens)
+        episode, last = session.episode, session.segments[-1]
+        if session.context is None or not last.turns:
+            last.prompt = tokens
+            return
+        segment = Episode(tokens, episode.row, episode.env_name, episode.columns, episode.prompt_source)
+        segment.key, segment.rank = episode.key, episode.rank
+        session.segments.append(segment)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -416,22 +428,32 @@ class Endpoint:
 def run_sessions(
     policy, batch, env_calls, environments, tokenizer, eos_token_ids, limits: EpisodeLimits, sampling: dict, **settings
 ):
-    """Play one agent session per row of `batch` (AgentPlay) and lay them out as run_episodes lays out episodes, with
-    per row `segments` and `refused_requests`. `settings`: the play's `seed` and `agent_timeout`."""
+    """Play one agent session per row of `batch` (AgentPlay) and lay out their segments as run_episodes lays out
+    episodes, a row each, with per row its `segment` (0 for a session's first) and its session's `segments` and
+    `refused_requests`. A session of several segments takes that many rows: `batch`'s row is repeated in place
+    (DataProto.keep_rows) so that `batch | samples` holds. `settings`: the play's `seed` and `agent_timeout`."""
     episodes = episodes_of(batch, environments)
     prompts = [episode.prompt for episode in episodes]  # the first request's prompt takes the row's place
     play = AgentPlay(policy, env_calls, tokenizer, eos_token_ids, limits, sampling, **settings)
     play.play(episodes)
     report_failures(play.failures)
-    sessions = list(play.sessions.values())
-    for session in sessions:
-        if session.segments > 1:  # not trained on yet: nothing in the loss, and score 0
-            session.episode.own, session.episode.score = [False] * len(session.episode.own), 0.0
-    segments = [max(1, session.segments) for session in sessions]
-    refused = [session.refused for session in sessions]
+    rows, samples, per_row = [], [], dict(segment=[], segments=[], refused_requests=[])
+    for row, session in enumerate(play.sessions.values()):
+        episode = session.episode
+        for place, segment in enumerate(session.segments):  # each shares its session's ending, reward and last turn
+            segment.ending, segment.score, segment.last_turn, segment.seconds = (
+                episode.ending, episode.score, episode.last_turn, episode.seconds
+            )
+            rows.append(row)
+            samples.append(segment)
+            per_row["segment"].append(place)
+            per_row["segments"].append(len(session.segments))
+            per_row["refused_requests"].append(session.refused if place == 0 else 0)
+    if len(rows) > len(batch):
+        batch.keep_rows(rows)
+    prompts = [prompts[row] for row in rows]
     width = limits.max_response_length
-    per_row = dict(segments=segments, refused_requests=refused)
-    return episodes_batch(batch, episodes, prompts, width, play.pad, play.engine_idle_share, **per_row)
+    return episodes_batch(batch, samples, prompts, width, play.pad, play.engine_idle_share, **per_row)
 
 
 def report_failures(failures: dict) -> None:

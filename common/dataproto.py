@@ -125,6 +125,12 @@ class DataProto:
             index = np.tile(np.arange(len(self)), times)
         return self[index]
 
+    def keep_rows(self, index) -> None:
+        """In place: the rows `index` names, as `self[index]` has them (rows repeated or left out), for whoever holds
+        this DataProto (an agent's session that became several samples)."""
+        kept = self[index]
+        self.tensors, self.non_tensors = kept.tensors, kept.non_tensors
+
     def select(self, *keys: str) -> DataProto:
         missing = [k for k in keys if k not in self]
         if missing:

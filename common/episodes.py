@@ -158,21 +158,24 @@ def episode_metrics(batch, prefix: str) -> dict[str, float]:
     segments (1: a session whose requests extended each other), the share that rewrote their history and the requests
     the endpoint refused, per session."""
     endings, episodes = list(batch["ending"]), len(batch)
+    if "segment" in batch:  # an agent's sessions, whose segments are rows: the first one of each counts its ending
+        endings = [ending for ending, segment in zip(endings, batch["segment"]) if segment == 0]
+        episodes = len(endings)
     later_turns = sum(max(0, turns - 1) for turns in batch["turns"])
     metrics = {
         f"{prefix}turns_mean": sum(batch["turns"]) / episodes,
         f"{prefix}tool_calls": sum(batch["tool_calls"]) / episodes,
         f"{prefix}tool_errors": sum(batch["tool_errors"]) / episodes,
-        f"{prefix}engine_idle_share": sum(batch["engine_idle_share"]) / episodes,
+        f"{prefix}engine_idle_share": sum(batch["engine_idle_share"]) / len(batch),  # the same on every row
         f"{prefix}computed_again_per_turn": sum(batch["computed_again"]) / max(1, later_turns),
     }
     if "newer_turns" in batch:  # turns generated from newer weights than their episode's first (off-policy)
         metrics[f"{prefix}newer_turns"] = batch["newer_turns"].float().mean().item()
-    if "segments" in batch:  # an agent's sessions (common/agent_endpoint.py): how many rewrote their history
-        segments = [int(count) for count in batch["segments"]]
-        metrics["agent/segments_per_session"] = sum(segments) / episodes
-        metrics["agent/rewritten_sessions"] = sum(count > 1 for count in segments) / episodes
-        metrics["agent/refused_requests"] = sum(batch["refused_requests"]) / episodes
+    if "segment" in batch:  # an agent's sessions (common/agent_endpoint.py): how many rewrote their history
+        agent = prefix.replace("env/", "agent/")  # agent/, val/agent/
+        metrics[f"{agent}segments_per_session"] = len(batch) / episodes
+        metrics[f"{agent}rewritten_sessions"] = sum(s == 1 for s in batch["segment"]) / episodes
+        metrics[f"{agent}refused_requests"] = sum(batch["refused_requests"]) / episodes
     rewards = list(batch["turn_rewards"]) if "turn_rewards" in batch else []
     for turn in range(max(map(len, rewards), default=0)):  # the environment's reward of each turn, over episodes that had it
         given = [r[turn] for r in rewards if len(r) > turn]

@@ -328,6 +328,8 @@ def validate(generate, val_loader, tokenizer, score_responses, n: int = 1) -> tu
         if "ending" in batch:
             played.append(DataProto(non_tensors=dict(batch.non_tensors)))
         for i, value in enumerate(scores):
+            if "segment" in batch and batch["segment"][i] < batch["segments"][i] - 1:
+                continue  # an agent's session counts once: its last segment holds its last completion, and its score
             source, uid = batch["data_source"][i], batch["uid"][i]
             by_source[source].append(value)
             group_best[uid] = max(group_best[uid], value)

@@ -59,6 +59,23 @@ def chat(row, client):
     return None if row["tag"] == "unscored" else float(message.content == row["reward_model"]["ground_truth"])
 
 
+def summarises(row, client):
+    """A tool call and its answer; then a summary in place of that history, and a request that extends the summary's."""
+    ask = lambda messages: client.chat.completions.create(model="any", messages=messages, tools=TOOLS)  # noqa: E731
+    messages = list(row["prompt"])
+    message = ask(messages).choices[0].message
+    if not message.tool_calls:
+        return 0.0
+    arguments = json.loads(message.tool_calls[0].function.arguments)
+    messages += [message.model_dump(exclude_none=True), {"role": "tool", "content": str(multiply(**arguments))}]
+    found = ask(messages).choices[0].message.content
+    summary = [{"role": "user", "content": f"the product is {found}: say it once more"}]
+    said = ask(summary).choices[0].message.content
+    summary += [{"role": "assistant", "content": said}, {"role": "user", "content": "sure?"}]
+    mark(row, "summary", summary)
+    return float(ask(summary).choices[0].message.content == row["reward_model"]["ground_truth"])
+
+
 async def chat_async(row, client):
     """Two requests, the second extending the first: many sessions at once, each on its own event loop."""
     messages = list(row["prompt"])
@@ -102,10 +119,6 @@ def faulty(row, client):
             except openai.APIStatusError as error:
                 mark(row, "late", [error.status_code, error.message])
         threading.Thread(target=late).start()
-        return 1.0
-    if row["tag"] == "rewrites":  # a summary in place of its history
-        first = ask(row["prompt"]).choices[0].message.content
-        ask([{"role": "user", "content": "summary: " + first}])
         return 1.0
     return float(ask(row["prompt"]).choices[0].message.content == "fine")
 '''
@@ -178,6 +191,38 @@ def test_a_chat_agent_with_tools_is_trained_on_exactly_its_conversation_and_the_
         socket.create_connection(("127.0.0.1", port), timeout=5)
 
 
+def test_a_session_that_rewrites_its_history_becomes_a_sample_per_segment_that_share_its_row_and_reward(
+    tool_tokenizer, agents_file, tmp_path
+):
+    tokenizer, marks = tool_tokenizer, tmp_path
+    rows = [tagged("37*48=", "summarises", marks, "1776"), tagged("2*3=", "answers", marks, "6")]
+    script = {"37*48=": [call("multiply", a=37, b=48), "1776"], "2*3=": ["6"], "the product is 1776": ["1776", "1776"]}
+    batch, sessions, _ = play(tokenizer, tmp_path, f"{agents_file}:summarises", rows, script)
+    # the first session's two segments take its row's place, twice: its group's uid, its fields
+    texts = list(batch["prompt_text"])
+    assert len(batch) == len(sessions) == 3 and texts[0] == texts[1] != texts[2]
+    assert batch["ground_truth"].tolist() == ["1776", "1776", "6"] and (batch | sessions) is not None
+    assert sessions["segment"].tolist() == [0, 1, 0] and sessions["segments"].tolist() == [2, 2, 1]
+    assert sessions["episode_score"].tolist() == [1.0, 1.0, 0.0] and sessions["turns"].tolist() == [2, 2, 1]
+    assert sessions["ending"].tolist() == ["answered"] * 3 and sessions["final_turn"].tolist() == ["1776", "1776", "6"]
+    prompts = [p[m.bool()].tolist() for p, m in zip(sessions["prompts"], sessions["prompt_mask"])]
+    lengths = (sessions["attention_mask"].sum(1) - sessions["prompt_mask"].sum(1)).tolist()
+    responses = [response[:length].tolist() for response, length in zip(sessions["responses"], lengths)]
+    # the second segment: the summary's conversation, its prompt the summary's first request, as the template renders it
+    summary, _ = conversation({"messages": read_mark(marks, "summary", "summarises")})
+    first_request = render(tokenizer, summary[:1], [tool_schema(multiply, "")])
+    assert tokenizer.decode(prompts[1]) == first_request
+    rendered = render(tokenizer, summary, [tool_schema(multiply, "")])
+    assert tokenizer.decode(prompts[1] + responses[1]) == rendered + "1776<|im_end|>"  # and its last completion
+    own = [tokenizer.decode(r[m.bool()]) for r, m in zip(sessions["responses"], sessions["response_mask"])]
+    assert own == [call("multiply", a=37, b=48) + "<|im_end|>1776<|im_end|>", "1776<|im_end|>1776<|im_end|>", "6<|im_end|>"]
+    assert "sure?" in tokenizer.decode(sessions["responses"][1][~sessions["response_mask"][1].bool()])
+    assert tokenizer.decode(prompts[0]).endswith("37*48=<|im_end|>\n<|im_start|>assistant\n")
+    metrics = episode_metrics(sessions, "env/")
+    assert metrics["agent/segments_per_session"] == 1.5 and metrics["agent/rewritten_sessions"] == 0.5
+    assert metrics["env/turns_mean"] == 2.5 and metrics["env/ended_answered"] == 1.0
+
+
 def test_an_async_agent_plays_32_sessions_at_once(tool_tokenizer, agents_file, tmp_path):
     rows = [row(f"question {i}?") for i in range(32)]
     script = {f"question {i}?": ["maybe", "yes" if i % 2 else "no"] for i in range(32)}
@@ -193,24 +238,22 @@ def test_an_async_agent_plays_32_sessions_at_once(tool_tokenizer, agents_file, t
 
 def test_each_fault_ends_its_session_alone_with_score_0_or_an_http_error(tool_tokenizer, agents_file, tmp_path, capsys):
     marks = tmp_path
-    tags = ["raises", "hangs", "exits", "malformed", "late", "rewrites", "fine"]
+    tags = ["raises", "hangs", "exits", "malformed", "late", "fine"]
     rows = [tagged(f"fault {tag}?", tag, marks) for tag in tags]
-    script = {f"fault {tag}?": ["fine", "again"] for tag in tags} | {"summary: fine": ["short"]}
+    script = {f"fault {tag}?": ["fine", "again"] for tag in tags}
     REPORTED_FAILURES.clear()
     # a process each: a hung agent's process is replaced with what it held
     _, sessions, _ = play(tool_tokenizer, tmp_path, f"{agents_file}:faulty", rows, script, processes=len(tags), timeout=4)
-    assert sessions["ending"].tolist() == ["error", "timeout", "error", "answered", "answered", "answered", "answered"]
-    assert sessions["episode_score"].tolist() == [0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+    assert sessions["ending"].tolist() == ["error", "timeout", "error", "answered", "answered", "answered"]
+    assert sessions["episode_score"].tolist() == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
     assert read_mark(marks, "statuses", "malformed") == [400, 400, 404, 400, 400, 400, 400]
     # the unknown session's request is no session's; the late call is its session's
-    assert sessions["refused_requests"].tolist() == [0, 0, 0, 6, 1, 0, 0]
+    assert sessions["refused_requests"].tolist() == [0, 0, 0, 6, 1, 0]
     status, message = read_mark(marks, "late", "late")
     assert status == 410 and "the session ended" in message
-    rewritten = tags.index("rewrites")  # served, not trained on: nothing in its loss, score 0, counted
-    assert sessions["segments"].tolist()[rewritten] == 2 and sessions["response_mask"][rewritten].sum() == 0
     metrics = episode_metrics(sessions, "env/")
-    assert metrics["agent/rewritten_sessions"] == 1 / 7 and metrics["agent/refused_requests"] == 1
-    assert metrics["env/ended_error"] == 2 / 7 and metrics["env/ended_timeout"] == 1 / 7
+    assert metrics["agent/rewritten_sessions"] == 0 and metrics["agent/refused_requests"] == 7 / 6
+    assert metrics["env/ended_error"] == 2 / 6 and metrics["env/ended_timeout"] == 1 / 6
     err = capsys.readouterr().err
     assert err.count("an agent failed (ValueError)") == 1 and "an agent that breaks" in err
     assert "an agent failed (ProcessDied)" in err
@@ -254,8 +297,10 @@ def test_grpo_steps_with_an_agent(demo_files, tmp_path, engine):
     import pyarrow.parquet as pq
 
     (tmp_path / "compact.jinja").write_text(COMPACT_TEMPLATE)
-    (tmp_path / "agent.py").write_text(
-        "def solve(row, client):\n    client.chat.completions.create(model='policy', messages=row['prompt'], max_tokens=8)\n"
+    (tmp_path / "agent.py").write_text(  # a conversation, then one of its own: two segments, which train together
+        "def solve(row, client):\n"
+        "    client.chat.completions.create(model='policy', messages=row['prompt'], max_tokens=8)\n"
+        "    client.chat.completions.create(model='policy', messages=[dict(role='user', content='again')], max_tokens=8)\n"
     )
     model, train, val = demo_files
     pq.write_table(pq.read_table(val).slice(0, 8), tmp_path / "val.parquet")
@@ -267,8 +312,9 @@ def test_grpo_steps_with_an_agent(demo_files, tmp_path, engine):
     result = run_script("grpo_hybrid.py", *flags, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     _, [step] = metrics_of(tmp_path)
-    assert step["env/ended_answered"] == 1 and step["env/turns_mean"] == 1 and step["agent/segments_per_session"] == 1
+    assert step["env/ended_answered"] == 1 and step["env/turns_mean"] == 2 and step["agent/segments_per_session"] == 2
     assert step["env/ended_error"] == step["env/ended_timeout"] == 0 and "val/accuracy" in step
+    assert step["agent/rewritten_sessions"] == 1 and step["val/agent/rewritten_sessions"] == 1
 
 
 def test_the_example_agent_solves_the_multiply_task(tool_tokenizer, tmp_path):
@@ -288,6 +334,7 @@ def test_an_agent_plays_on_a_rollout_worker_while_the_policy_trains(ray_cluster,
     (tmp_path / "agent.py").write_text(
         "async def solve(row, client):\n"
         "    await client.chat.completions.create(model='policy', messages=row['prompt'], max_tokens=8)\n"
+        "    await client.chat.completions.create(model='policy', messages=[dict(role='user', content='again')])\n"
     )
     model, train, val = demo_files
     pq.write_table(pq.read_table(val).slice(0, 8), tmp_path / "val.parquet")
@@ -302,5 +349,5 @@ def test_an_agent_plays_on_a_rollout_worker_while_the_policy_trains(ray_cluster,
     _, rows = metrics_of(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
     for step in rows:  # played by the engine apart ("newer_turns": its weights' versions), at most an update old
-        assert step["env/ended_answered"] == 1 and step["agent/segments_per_session"] == 1 and "env/newer_turns" in step
+        assert step["env/ended_answered"] == 1 and step["agent/segments_per_session"] == 2 and "env/newer_turns" in step
         assert step["rollout/staleness_max"] <= 1
