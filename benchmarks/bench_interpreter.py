@@ -58,24 +58,27 @@ TURN_TOKENS = 64  # the judge's bound on a turn: a transcript's longest is under
 
 
 def grpo_flags(steps: int) -> list[str]:
+    settings = dict(GRPO, steps=steps)
     return [
-        "--env", ENV, "--reward-fn", REWARD, "--max-turns", str(GRPO["max_turns"]),
-        "--total-steps", str(steps), "--test-freq", str(steps), "--no-val-before-train",
-        "--train-batch-size", str(GRPO["prompts"]), "--mini-batch-size", str(GRPO["prompts"]), "--n", str(GRPO["samples"]),
-        "--lora-rank", str(GRPO["lora_rank"]), "--lora-alpha", str(GRPO["lora_alpha"]), "--lr", str(GRPO["lr"]),
-        "--kl-loss-coef", str(GRPO["kl"]), "--max-prompt-length", str(GRPO["prompt_tokens"]),
-        "--max-response-length", str(GRPO["response_tokens"]), "--micro-batch-size", "16",
-    ]  # fmt: skip
+        *["--env", ENV, "--reward-fn", REWARD, "--max-turns", str(GRPO["max_turns"])],  # paths may hold spaces
+        *"--total-steps {steps} --test-freq {steps} --no-val-before-train".format_map(settings).split(),
+        *"--train-batch-size {prompts} --mini-batch-size {prompts} --n {samples}".format_map(settings).split(),
+        *"--lora-rank {lora_rank} --lora-alpha {lora_alpha} --lr {lr} --kl-loss-coef {kl}".format_map(settings).split(),
+        *"--max-prompt-length {prompt_tokens} --max-response-length {response_tokens}".format_map(settings).split(),
+        "--micro-batch-size",
+        "16",
+    ]
 
 
 def sft_flags(steps: int) -> list[str]:
+    settings = dict(SFT, steps=steps, prompt_tokens=GRPO["prompt_tokens"], response_tokens=GRPO["response_tokens"])
     return [
-        "--lora-rank", str(SFT["lora_rank"]), "--lora-alpha", str(SFT["lora_alpha"]), "--lr", str(SFT["lr"]),
-        "--train-batch-size", str(SFT["batch"]), "--mini-batch-size", str(SFT["batch"]), "--micro-batch-size", "16",
-        "--total-steps", str(steps), "--test-freq", str(steps), "--no-val-before-train", "--val-batch-size", "100",
-        "--max-prompt-length", str(GRPO["prompt_tokens"]), "--max-response-length", str(GRPO["response_tokens"]),
-        "--chat-template", "chatml_tools",
-    ]  # fmt: skip
+        *"--lora-rank {lora_rank} --lora-alpha {lora_alpha} --lr {lr} --micro-batch-size 16".format_map(settings).split(),
+        *"--train-batch-size {batch} --mini-batch-size {batch}".format_map(settings).split(),
+        *"--total-steps {steps} --test-freq {steps} --no-val-before-train --val-batch-size 100".format_map(settings).split(),
+        *"--max-prompt-length {prompt_tokens} --max-response-length {response_tokens}".format_map(settings).split(),
+        *"--chat-template chatml_tools".split(),
+    ]
 
 
 def judge(model_path: str, val_file: str, problems: int) -> dict:

@@ -22,7 +22,9 @@ any other field is ignored too.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
+import math
 import queue
 import socket
 import threading
@@ -68,6 +70,8 @@ class Session:
     place: int  # its row's place in the batch: its turns' seeds
     segments: list[Episode] = field(default_factory=list)
     requests: int = 0  # requests the engine answered
+    completions: dict[str, tuple[int, int]] = field(default_factory=dict)  # by id: its segment's place, its turn there
+    turn_rewards: dict[tuple[int, int], float] = field(default_factory=dict)  # what the agent reported, by the same
     context: list[int] | None = None  # the last request's prompt and completion (None before the first request)
     context_text: str = ""
     refused: int = 0  # requests answered with an HTTP error
@@ -87,6 +91,7 @@ class Turn:
     extends: bool  # whether its prompt extends its session's context (else it starts a segment)
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
+    id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     completion: list[int] = field(default_factory=list)
     finish_reason: str = "stop"
 
@@ -246,6 +251,7 @@ class AgentPlay:
             sample.versions.append(version)
             sample.turns += 1
             session.requests += 1
+            session.completions[turn.id] = (len(session.segments) - 1, sample.turns - 1)
             episode.last_turn = self.tokenizer.decode(turn.completion, skip_special_tokens=True)
             session.context = turn.tokens + turn.completion
             session.context_text = self.tokenizer.decode(session.context)
@@ -327,6 +333,20 @@ class AgentPlay:
         segment.key, segment.rank = episode.key, episode.rank
         session.segments.append(segment)
 
+    def reward_turn(self, session: Session, body: dict) -> dict:
+        """Keep the reward `body` reports for a completion of `session` ({"id": the completion's id, "reward": a
+        number}), as an environment's turn_reward; Refused for an id the session did not get, or a reward not a number."""
+        reward, completion = body.get("reward"), body.get("id")
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise Refused(400, f"reward must be a finite number, not {reward!r}")
+        with self.lock:
+            if session.ended:
+                raise Refused(410, ENDED, "session_ended")
+            if completion not in session.completions:
+                raise Refused(400, f"no completion {completion!r} in this session: send the id of one it answered")
+            session.turn_rewards[session.completions[completion]] = float(reward)
+        return {"id": completion, "reward": float(reward)}
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -347,7 +367,7 @@ class AgentPlay:
             finish_reason = "tool_calls"
         usage = dict(prompt_tokens=len(turn.tokens), completion_tokens=len(turn.completion))
         return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "id": turn.id,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": MODEL_NAME,
@@ -377,6 +397,7 @@ class Endpoint:
         app = FastAPI()
         app.post("/s/{session}/v1/chat/completions")(self.chat)
         app.get("/s/{session}/v1/models")(self.models)
+        app.post("/s/{session}/v1/rewards")(self.rewards)
         self.socket = socket.create_server(("127.0.0.1", 0))
         self.port = self.socket.getsockname()[1]
         # a request still open when the play ends (its agent's process gone) does not hold the run
@@ -405,6 +426,19 @@ class Endpoint:
         return {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "created": 0, "owned_by": "hybridrl"}]}
 
     async def chat(self, session: str, request: Request):
+        return await self.answer(session, request, self._complete)
+
+    async def rewards(self, session: str, request: Request):
+        return await self.answer(session, request, lambda found, body: self.play.reward_turn(found, body))
+
+    async def _complete(self, found: Session, body: dict) -> dict:
+        turn = self.play.prepare(found, body, asyncio.get_running_loop())
+        self.play.inbox.put(turn)
+        return self.play.response(await turn.future)
+
+    async def answer(self, session: str, request: Request, serve):
+        """`serve(session, body)`'s answer to a request of `session` whose body is a JSON object; OpenAI's error
+        object, with its HTTP status, for one that is Refused."""
         found = self.play.sessions.get(session)
         try:
             if found is None:
@@ -415,9 +449,8 @@ class Endpoint:
                 raise Refused(400, "the request's body is not JSON") from None
             if not isinstance(body, dict):
                 raise Refused(400, "the request's body must be a JSON object")
-            turn = self.play.prepare(found, body, asyncio.get_running_loop())
-            self.play.inbox.put(turn)
-            return self.play.response(await turn.future)
+            answer = serve(found, body)
+            return await answer if inspect.isawaitable(answer) else answer
         except Refused as refused:
             if found is not None:
                 found.refused += 1
@@ -444,6 +477,8 @@ def run_sessions(
             segment.ending, segment.score, segment.last_turn, segment.seconds = (
                 episode.ending, episode.score, episode.last_turn, episode.seconds
             )
+            if session.turn_rewards:  # per turn, what the agent reported for it (0 without)
+                segment.turn_rewards = [session.turn_rewards.get((place, turn), 0.0) for turn in range(segment.turns)]
             rows.append(row)
             samples.append(segment)
             per_row["segment"].append(place)

@@ -62,10 +62,13 @@ def chat(row, client):
 def summarises(row, client):
     """A tool call and its answer; then a summary in place of that history, and a request that extends the summary's."""
     ask = lambda messages: client.chat.completions.create(model="any", messages=messages, tools=TOOLS)  # noqa: E731
+    reward = lambda reply, value: client.post("/rewards", body=dict(id=reply.id, reward=value), cast_to=object)  # noqa: E731
     messages = list(row["prompt"])
-    message = ask(messages).choices[0].message
+    reply = ask(messages)
+    message = reply.choices[0].message
     if not message.tool_calls:
         return 0.0
+    reward(reply, 0.25)  # a turn's reward, for its call
     arguments = json.loads(message.tool_calls[0].function.arguments)
     messages += [message.model_dump(exclude_none=True), {"role": "tool", "content": str(multiply(**arguments))}]
     found = ask(messages).choices[0].message.content
@@ -73,7 +76,15 @@ def summarises(row, client):
     said = ask(summary).choices[0].message.content
     summary += [{"role": "assistant", "content": said}, {"role": "user", "content": "sure?"}]
     mark(row, "summary", summary)
-    return float(ask(summary).choices[0].message.content == row["reward_model"]["ground_truth"])
+    last = ask(summary)
+    statuses = []
+    for bad in (dict(id="chatcmpl-none", reward=1.0), dict(id=last.id, reward="high")):
+        try:
+            client.post("/rewards", body=bad, cast_to=object)
+        except openai.BadRequestError as error:
+            statuses.append(error.status_code)
+    mark(row, "reward_statuses", statuses + [reward(last, 0.5)])
+    return float(last.choices[0].message.content == row["reward_model"]["ground_truth"])
 
 
 async def chat_async(row, client):
@@ -191,7 +202,7 @@ def test_a_chat_agent_with_tools_is_trained_on_exactly_its_conversation_and_the_
         socket.create_connection(("127.0.0.1", port), timeout=5)
 
 
-def test_a_session_that_rewrites_its_history_becomes_a_sample_per_segment_that_share_its_row_and_reward(
+def test_a_session_that_rewrites_its_history_trains_as_a_sample_per_segment_with_its_reward_and_turn_rewards(
     tool_tokenizer, agents_file, tmp_path
 ):
     tokenizer, marks = tool_tokenizer, tmp_path
@@ -218,6 +229,12 @@ def test_a_session_that_rewrites_its_history_becomes_a_sample_per_segment_that_s
     assert own == [call("multiply", a=37, b=48) + "<|im_end|>1776<|im_end|>", "1776<|im_end|>1776<|im_end|>", "6<|im_end|>"]
     assert "sure?" in tokenizer.decode(sessions["responses"][1][~sessions["response_mask"][1].bool()])
     assert tokenizer.decode(prompts[0]).endswith("37*48=<|im_end|>\n<|im_start|>assistant\n")
+    # the turn rewards it reported, each on its turn's last token: the call's (first segment), the last answer's
+    assert read_mark(marks, "reward_statuses", "summarises")[:2] == [400, 400]
+    assert sessions["turn_rewards"].tolist() == [[0.25, 0.0], [0.0, 0.5], []]
+    ends = [int(sessions["turn_reward_tokens"][i].nonzero().flatten()[0]) for i in (0, 1)]
+    assert tokenizer.decode(sessions["responses"][0][ends[0]]) == "<|im_end|>" and ends[1] == lengths[1] - 1
+    assert sessions["turn_reward_tokens"].sum(1).tolist() == [0.25, 0.5, 0.0]
     metrics = episode_metrics(sessions, "env/")
     assert metrics["agent/segments_per_session"] == 1.5 and metrics["agent/rewritten_sessions"] == 0.5
     assert metrics["env/turns_mean"] == 2.5 and metrics["env/ended_answered"] == 1.0

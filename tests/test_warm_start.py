@@ -25,10 +25,13 @@ def write_multiply_task(folder, train_problems, val_problems) -> None:
     rows = [{"messages": multiply_tool_transcript(a, b, f"{a}*{b}?"), "tools": tools} for a, b in train_problems]
     (folder / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     prompts = [
-        {"prompt": [{"role": "user", "content": f"{a}*{b}?"}], "data_source": "multiply_tool",
-         "reward_model": {"ground_truth": str(a * b)}}
+        {
+            "prompt": [{"role": "user", "content": f"{a}*{b}?"}],
+            "data_source": "multiply_tool",
+            "reward_model": {"ground_truth": str(a * b)},
+        }
         for a, b in val_problems
-    ]  # fmt: skip
+    ]
     (folder / "val.jsonl").write_text("".join(json.dumps(row) + "\n" for row in prompts))
 
 
@@ -74,8 +77,8 @@ def test_what_the_warm_start_cannot_validate_stops_it_before_any_worker(tiny_mod
     (tmp_path / "compact.jinja").write_text(COMPACT_TEMPLATE)
     flags = ["--model-path", tiny_model, "--chat-template", str(tmp_path / "compact.jinja"), "--tools", "multiply"]
     flags += ["--train-files", str(tmp_path / "train.jsonl"), "--max-prompt-length", "24", "--max-response-length", "100"]
-    stop = stop_in_process("sft_hybrid.py", *flags, "--val-files", str(tmp_path / "train.jsonl"), cwd=tmp_path,
-                           monkeypatch=monkeypatch)  # fmt: skip
+    place = dict(cwd=tmp_path, monkeypatch=monkeypatch)
+    stop = stop_in_process("sft_hybrid.py", *flags, "--val-files", str(tmp_path / "train.jsonl"), **place)
     assert "--tools and --env play RL's episodes in the warm start's validation: pass --val-files of RL prompts" in stop
     both = ["--val-files", str(tmp_path / "train.jsonl"), str(tmp_path / "val.jsonl")]
     stop = stop_in_process("sft_hybrid.py", *flags, *both, cwd=tmp_path, monkeypatch=monkeypatch)
