@@ -230,6 +230,7 @@ class AgentPlay:
     def _take_turn(self, turn: Turn, tokens: list[int], log_probs: list[float], version) -> None:
         """Keep the engine's completion of `turn` in its session (cut after a stop string) and answer the request."""
         session, episode = turn.session, turn.session.episode
+        tokens = tokens[: turn.max_tokens]  # the session's room, whatever an engine returned
         end = stop_end(tokens, turn.stop, self.tokenizer)
         ended_by_eos = end is None and tokens and tokens[-1] in self.eos_token_ids
         kept = end or len(tokens)

@@ -116,7 +116,8 @@ class HFEngine:
         for key, *_ in requests:  # what they started from is used up
             self.held.pop(key, None)
         finished, kept = [], held_bytes(self.held)
-        for i, ((key, tokens, *_), length) in enumerate(zip(requests, lengths)):
+        for i, ((key, tokens, most, *_), length) in enumerate(zip(requests, lengths)):
+            length = min(length, most)  # the batch generated up to its longest request's max_tokens
             response = responses[i, :length].tolist()
             if keeps_plain_cache(cache):  # the context's and the response's but the last token's, which no forward read
                 taken = torch.cat([columns[i], torch.arange(input_ids.shape[1], input_ids.shape[1] + length - 1)])

@@ -122,3 +122,16 @@ def test_a_model_saved_without_its_cache_generates_with_it_whatever_its_folder_s
         responses.append(engine.generate(prompts["prompts"], prompts["prompt_mask"], 8, **greedy)[0])
         assert len(widths) > 1 and widths[1:] == [1] * (len(widths) - 1), (path, widths)  # then the new token alone
     assert torch.equal(responses[0], responses[1])
+
+
+def test_each_request_of_a_batch_generates_at_most_its_own_max_tokens(tiny_model, tokenizer):
+    model, pad = local_model(tiny_model).eval(), tokenizer.pad_token_id
+    greedy = dict(do_sample=False, temperature=1.0, top_p=1.0, top_k=0, stop_strings=None)
+    engine = HFEngine(model, tokenizer, [pad], pad)  # an end it never writes: each request runs to its bound
+    engine.wake()
+    prompt = tokenizer("12+34=").input_ids
+    for key, most in (("short", 2), ("long", 12)):  # one generate, which runs to the longer request's bound
+        engine.add_request(key, prompt, most, **greedy)
+    tokens = {key: tokens for key, tokens, *_ in engine.finished_requests()}
+    assert len(tokens["short"]) == 2 and len(tokens["long"]) == 12 and tokens["short"] == tokens["long"][: len(tokens["short"])]
+    engine.sleep()
