@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_tool_learning import accuracies, grpo_flags, run_script  # noqa: E402
 from demo_table import stamp, write_table  # noqa: E402
 
-AGENT = ["--agent", str(ROOT / "examples" / "agents" / "multiply_agent.py") + ":solve", "--max-turns", "4"]
+AGENT = ["--agent", str(ROOT / "examples" / "agents" / "multiply_agent.py") + ":solve", "--max-turns", "3"]
 MODES = {"--tools": [], "--agent": AGENT}  # the tools' flags come with grpo_flags(tool=True)
 PATIENT = ["--call-timeout", "300"]  # a step's 32 episodes in one generate may pass 60 s on a loaded 2-core machine
 SESSIONS = {1: (1, 1), 8: (2, 4), 32: (8, 4)}  # sessions a step: (prompts, samples of each)

@@ -339,7 +339,8 @@ def test_the_example_agent_solves_the_multiply_task(tool_tokenizer, tmp_path):
     rows = [row("What is 123 times 45?", "5535"), row("What is 100 times 10?", "1000")]
     script = {"123 times": [call("multiply", a=123, b=45), "5535"], "100 times": [call("multiply", a=100, b=10), "999"]}
     _, sessions, _ = play(tool_tokenizer, tmp_path, agent, rows, script)
-    assert sessions["episode_score"].tolist() == [1.0, 0.0] and sessions["turns"].tolist() == [2, 2]
+    assert sessions["episode_score"].tolist() == [None, None] and sessions["turns"].tolist() == [2, 2]
+    assert sessions["final_turn"].tolist() == ["5535", "999"]  # what the task's reward function scores
     assert sessions["tool_calls"].tolist() == [0, 0]  # the agent's own dispatch: the run saw completions alone
     assert "<tool_response>\n5535\n</tool_response>" in tool_tokenizer.decode(sessions["responses"][0])
 
