@@ -10,8 +10,8 @@ settings and its 2-step warm start, one per seed). Each seed's warm start then t
 
 Printed and written (--out, a markdown table and its JSON beside it): held-out accuracy before GRPO and after it, and
 GRPO's mean seconds per step (its first step left out); then, for the endpoint's cost, seed 1's warm start on the hf
-engine at 1, 8 and 32 sessions a step (1 x 1 with --single-sample-groups, 2 x 4, 8 x 4): seconds per step and the
-share of the play's time the engine stood idle (`env/engine_idle_share`), --agent beside --tools.
+engine at 1, 8 and 32 sessions a step (1 x 1 with --single-sample-groups, 2 x 4, 8 x 4), on one worker: seconds per
+step and the share of the play's time the engine stood idle (`env/engine_idle_share`), --agent beside --tools.
 
     python benchmarks/bench_agent.py                                  # seeds 1-3, hf and vllm
     python benchmarks/bench_agent.py --seeds 1 --engines hf --grpo-steps 2 --work /tmp/agent_bench   # resumable
@@ -114,6 +114,7 @@ if __name__ == "__main__":
         prompts, samples = SESSIONS[sessions]
         shape = ["--train-batch-size", str(prompts), "--mini-batch-size", str(prompts), "--n", str(samples)]
         shape += ["--single-sample-groups"] if samples == 1 else []
+        shape += ["--num-workers", "1"]  # one engine serves every session (a session is not split over workers)
         for mode in MODES:
             flags = [*exports[args.seeds[0]], "--seed", str(args.seeds[0]), *data, "--no-val-before-train", *PATIENT]
             flags += [*mode_flags(mode, grpo_flags(args.cost_steps)), *shape, "--test-freq", "1000"]

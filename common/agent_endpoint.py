@@ -156,6 +156,7 @@ class AgentPlay:
         self.policy, self.env_calls, self.tokenizer, self.eos_token_ids = policy, env_calls, tokenizer, eos_token_ids
         self.limits, self.sampling = limits, sampling
         self.seed, self.agent_timeout = settings.get("seed"), settings["agent_timeout"]
+        self.lockstep = settings.get("lockstep", False)
         self.pad = pad_token_id(tokenizer, eos_token_ids)
         self.name = uuid.uuid4().hex[:12]
         self.inbox, self.lock = queue.SimpleQueue(), threading.Lock()  # the endpoint's turns; the sessions' state
@@ -209,16 +210,19 @@ class AgentPlay:
 
     def _due(self, rank: int) -> bool:
         """Whether `rank`'s engine takes its waiting turns now: at once while it generates others (they join them),
-        else once every live session of the rank waits, or GATHER_SECONDS after the first turn came."""
+        else once every live session of the rank waits, or GATHER_SECONDS after the first turn came. In lockstep
+        (--deterministic), rounds: once none generates, and every live session of the rank waits, whatever the time."""
         if any(turn.session.episode.rank == rank for turn in self.under_way.values()):
-            return True
+            return not self.lockstep
         if not self.waiting[rank]:
             return False
         live = sum(not s.ended for s in self.sessions.values() if s.episode.rank == rank)
+        if self.lockstep:
+            return len(self.waiting[rank]) >= live
         return len(self.waiting[rank]) >= live or time.perf_counter() - self.ready_since[rank] >= GATHER_SECONDS
 
     def _submit(self, rank: int):
-        turns, self.waiting[rank] = self.waiting[rank], []
+        turns, self.waiting[rank] = sorted(self.waiting[rank], key=lambda turn: turn.session.place), []  # the batch's order
         requests = []
         for turn in turns:
             session = turn.session
@@ -465,7 +469,8 @@ def run_sessions(
     """Play one agent session per row of `batch` (AgentPlay) and lay out their segments as run_episodes lays out
     episodes, a row each, with per row its `segment` (0 for a session's first) and its session's `segments` and
     `refused_requests`. A session of several segments takes that many rows: `batch`'s row is repeated in place
-    (DataProto.keep_rows) so that `batch | samples` holds. `settings`: the play's `seed` and `agent_timeout`."""
+    (DataProto.keep_rows) so that `batch | samples` holds. `settings`: the play's `seed`, `agent_timeout` and
+    `lockstep` (AgentPlay._due)."""
     episodes = episodes_of(batch, environments)
     prompts = [episode.prompt for episode in episodes]  # the first request's prompt takes the row's place
     play = AgentPlay(policy, env_calls, tokenizer, eos_token_ids, limits, sampling, **settings)

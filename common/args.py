@@ -97,9 +97,10 @@ class RunArgs:
     max_turns: int = flag(4, positive=True)
     """with --env or --tools: most model turns per episode; with --agent, most requests per session"""
     deterministic: bool = flag(False, resumable=True)
-    """with --env or --tools: two runs of a seed and a resumed run give the same episodes whatever the environments'
-    timing: an engine takes turns in rounds (once each of its episodes' environments answered), and engines apart get
-    new weights between batches of episodes, not during one (docs/multi-turn.md gives the cost)"""
+    """with --env, --tools or --agent: two runs of a seed and a resumed run give the same episodes whatever the
+    environments' or agents' timing: an engine takes turns in rounds (once each of its episodes' environments answered,
+    or each of its live sessions sent its request), and engines apart get new weights between batches of episodes, not
+    during one (docs/multi-turn.md gives the cost)"""
 
     num_workers: int | None = flag(None, positive=True)
     """policy processes, one per GPU (per CPU slot without GPUs); default: every GPU this machine has, 2 without GPUs
@@ -349,8 +350,6 @@ def check_agent(args: RunArgs) -> None:
             "--reward-workers 0 with --agent: each session's agent runs in the environment processes while this one serves "
             "its requests; use --reward-workers 1 or more"
         )
-    if args.deterministic:
-        raise ValueError("--deterministic with --agent: an agent's requests come when its program sends them; drop one")
     missing = [module for module in ("openai", "fastapi", "uvicorn") if importlib.util.find_spec(module) is None]
     if missing:
         raise ValueError(f"--agent needs {', '.join(missing)}: pip install 'hybridrl[agent]'")

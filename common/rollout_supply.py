@@ -150,7 +150,7 @@ class RolloutSupply:
             from common.agent_endpoint import run_sessions
 
             played = (engines, batch, env_calls, self.environments, self.tokenizer, self.eos_token_ids, limits, sampling)
-            return run_sessions(*played, seed=seed, agent_timeout=args.agent_timeout)
+            return run_sessions(*played, seed=seed, agent_timeout=args.agent_timeout, lockstep=args.deterministic)
         repeat = dict(seed=seed, lockstep=args.deterministic)
         return run_episodes(
             engines, batch, env_calls, self.environments, self.tokenizer, self.eos_token_ids, limits, sampling, **repeat

@@ -4,6 +4,7 @@ run stopped by SIGTERM mid-step and resumed equals the uninterrupted one; on bot
 engines apart generating while the policy trains. What each turn samples is its own (InverseCDFSample's seeds)."""
 
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,6 +50,21 @@ class Slow:
         self.process.wait()
 '''
 
+AGENT = '''
+import asyncio
+import random
+
+
+async def solve(row, client):
+    """Two requests, the second extending the first, each after 0-1 s drawn from the machine's entropy."""
+    messages = list(row["prompt"])
+    for _ in range(2):
+        await asyncio.sleep(random.SystemRandom().uniform(0, 1))
+        reply = (await client.chat.completions.create(model="policy", messages=messages, max_tokens=8)).choices[0]
+        messages += [{"role": "assistant", "content": reply.message.content}, {"role": "user", "content": "more"}]
+    return float(len(reply.message.content) % 2)
+'''
+
 ASYNC = ["--num-workers", "1", "--rollout-workers", "1", "--max-staleness", "1"]  # a worker each: the tests share 4 CPUs
 
 
@@ -89,6 +105,16 @@ def slow_task(tmp_path_factory, demo_files):
     return [*flags, *TINY, "--lr-schedule", "constant", "--deterministic"]
 
 
+def agent_task(slow_task: list[str]) -> list[str]:
+    """The slow task's flags with an agent program of two requests in place of its environment."""
+    folder = Path(slow_task[slow_task.index("--env") + 1].rpartition(":")[0]).parent
+    (folder / "agent.py").write_text(AGENT)
+    flags = list(slow_task)
+    flags[flags.index("--env") : flags.index("--env") + 2] = ["--agent", f"{folder / 'agent.py'}:solve"]
+    flags[flags.index("--max-prompt-length") + 1] = "64"  # a session that rewrites its history starts a longer prompt
+    return flags
+
+
 def repeatable(row: dict) -> dict:
     """A step's metrics but those of time: the engines' idle share, as the timings, is the environments' timing."""
     return {key: value for key, value in comparable(row).items() if key != "env/engine_idle_share"}
@@ -96,11 +122,11 @@ def repeatable(row: dict) -> dict:
 
 @pytest.mark.parametrize(
     "algo, engine",
-    [("grpo", []), ("ppo", VLLM_FP32), ("ppo", ASYNC), ("grpo", [*VLLM_FP32, *ASYNC])],
-    ids=["grpo-hf", "ppo-vllm", "ppo-hf-apart", "grpo-vllm-apart"],
+    [("grpo", []), ("ppo", VLLM_FP32), ("ppo", ASYNC), ("grpo", [*VLLM_FP32, *ASYNC]), ("grpo", ["--agent"])],
+    ids=["grpo-hf", "ppo-vllm", "ppo-hf-apart", "grpo-vllm-apart", "grpo-hf-agent"],
 )
 def test_two_runs_of_a_seed_and_a_resumed_one_play_the_same_episodes(ray_cluster, slow_task, tmp_path, algo, engine):
-    flags = [*slow_task, *engine]
+    flags = agent_task(slow_task) if engine == ["--agent"] else [*slow_task, *engine]
     (tmp_path / "straight").mkdir()
     result = run_script(f"{algo}_hybrid.py", *flags, "--total-steps", "3", "--save-freq", "1000", cwd=tmp_path / "straight")
     assert result.returncode == 0, result.stderr[-3000:]
