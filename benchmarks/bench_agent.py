@@ -19,7 +19,6 @@ step and the share of the play's time the engine stood idle (`env/engine_idle_sh
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -106,7 +105,7 @@ if __name__ == "__main__":
                 first, *_, last = accuracies(rows)
                 result = dict(seed=seed, engine=engine, mode=mode, warm_start=first, grpo=last)
                 result |= dict(step_seconds=step_seconds(rows), tool_call_share=mean_of(rows, "val/env/tool_call_share"))
-                results.append(result | {"load": os.getloadavg()[0]})
+                results.append(result)
                 print(json.dumps(result), flush=True)
 
     costs = []
