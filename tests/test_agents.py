@@ -309,23 +309,29 @@ def test_agent_flags_are_checked_before_any_worker(demo_files, agents_file, tmp_
     assert "--env and --tools play the run's loop of turns" in stop and "PolicyWorker" not in stop
 
 
-@pytest.mark.parametrize("engine", [[], VLLM_FP32], ids=["hf", "vllm"])
-def test_grpo_steps_with_an_agent(demo_files, tmp_path, engine):
+def agent_run(demo_files, tmp_path, agent: str) -> list[str]:
+    """The flags of a short GRPO run of the demo task with the agent whose source is `agent` (its function `solve`)."""
     import pyarrow.parquet as pq
 
     (tmp_path / "compact.jinja").write_text(COMPACT_TEMPLATE)
-    (tmp_path / "agent.py").write_text(  # a conversation, then one of its own: two segments, which train together
-        "def solve(row, client):\n"
-        "    client.chat.completions.create(model='policy', messages=row['prompt'], max_tokens=8)\n"
-        "    client.chat.completions.create(model='policy', messages=[dict(role='user', content='again')], max_tokens=8)\n"
-    )
+    (tmp_path / "agent.py").write_text(agent)
     model, train, val = demo_files
     pq.write_table(pq.read_table(val).slice(0, 8), tmp_path / "val.parquet")
     flags = ["--model-path", model, "--train-files", train, "--val-files", str(tmp_path / "val.parquet")]
     flags += ["--max-prompt-length", "24", "--max-response-length", "24", "--agent", f"{tmp_path}/agent.py:solve"]
-    flags += ["--chat-template", str(tmp_path / "compact.jinja"), "--in-process", "--total-steps", "1"]
+    flags += ["--chat-template", str(tmp_path / "compact.jinja")]
     flags += ["--train-batch-size", "4", "--n", "2", "--mini-batch-size", "4", "--no-val-before-train"]
-    flags += ["--val-batch-size", "8", "--reward-workers", "2", *engine]
+    return flags + ["--val-batch-size", "8", "--reward-workers", "2"]
+
+
+@pytest.mark.parametrize("engine", [[], VLLM_FP32], ids=["hf", "vllm"])
+def test_grpo_steps_with_an_agent(demo_files, tmp_path, engine):
+    agent = (  # a conversation, then one of its own: two segments, which train together
+        "def solve(row, client):\n"
+        "    client.chat.completions.create(model='policy', messages=row['prompt'], max_tokens=8)\n"
+        "    client.chat.completions.create(model='policy', messages=[dict(role='user', content='again')], max_tokens=8)\n"
+    )
+    flags = [*agent_run(demo_files, tmp_path, agent), "--in-process", "--total-steps", "1", *engine]
     result = run_script("grpo_hybrid.py", *flags, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     _, [step] = metrics_of(tmp_path)
@@ -346,22 +352,13 @@ def test_the_example_agent_solves_the_multiply_task(tool_tokenizer, tmp_path):
 
 
 def test_an_agent_plays_on_a_rollout_worker_while_the_policy_trains(ray_cluster, demo_files, tmp_path):
-    import pyarrow.parquet as pq
-
-    (tmp_path / "compact.jinja").write_text(COMPACT_TEMPLATE)
-    (tmp_path / "agent.py").write_text(
+    agent = (
         "async def solve(row, client):\n"
         "    await client.chat.completions.create(model='policy', messages=row['prompt'], max_tokens=8)\n"
         "    await client.chat.completions.create(model='policy', messages=[dict(role='user', content='again')])\n"
     )
-    model, train, val = demo_files
-    pq.write_table(pq.read_table(val).slice(0, 8), tmp_path / "val.parquet")
-    flags = ["--model-path", model, "--train-files", train, "--val-files", str(tmp_path / "val.parquet")]
-    flags += ["--max-prompt-length", "24", "--max-response-length", "24", "--agent", f"{tmp_path}/agent.py:solve"]
-    flags += ["--chat-template", str(tmp_path / "compact.jinja")]
+    flags = agent_run(demo_files, tmp_path, agent)
     flags += ["--num-workers", "1", "--rollout-workers", "1", "--max-staleness", "1", "--total-steps", "2"]
-    flags += ["--train-batch-size", "4", "--n", "2", "--mini-batch-size", "4", "--no-val-before-train"]
-    flags += ["--val-batch-size", "8", "--reward-workers", "2"]
     result = run_script("grpo_hybrid.py", *flags, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     _, rows = metrics_of(tmp_path)
