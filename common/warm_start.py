@@ -86,16 +86,18 @@ class GenerationValidation:
 
     def __call__(self, step: int) -> tuple[dict, list[dict]]:
         """RL's validation of the policy after `step` steps (0: before the first), greedy or --val-n samples a prompt:
-        its metrics and every episode, and a line on the console with the accuracy and the share of episodes that
-        called a tool."""
+        its metrics and every episode, and a line on the console with the accuracy, the share of episodes that called a
+        tool, their tool errors and the share that answered."""
         from common.rewards import validate
 
         n = self.args.val_n
         self.rollouts.version = step
         metrics, samples = validate(self.rollouts.generate, self.loader, self.tokenizer, self.scorer.score_texts, n)
         line = f"step {step}: held-out accuracy {metrics['val/accuracy']:.1%}"
-        if "val/env/tool_call_share" in metrics:
+        if "val/env/tool_call_share" in metrics:  # a call that does not parse counts: its errors and the answers say so
             line += f", episodes that call a tool {metrics['val/env/tool_call_share']:.1%}"
+            line += f", tool errors per episode {metrics['val/env/tool_errors']:.2f}"
+            line += f", episodes that answer {metrics['val/env/ended_answered']:.1%}"
         print(f"{line} ({len(self.loader.dataset)} prompts, {'greedy' if n == 1 else f'{n} samples each'})", flush=True)
         return metrics, samples
 

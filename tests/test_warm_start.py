@@ -65,8 +65,9 @@ def test_the_warm_start_validates_by_generation_with_a_tool(tiny_model, tmp_path
         for episode in episodes:  # a call the tool answered: its result follows in the episode
             calls = re.findall(CALL, episode["response"])
             assert all(f"</tool_call>R:{int(a) * int(b)}A:" in episode["response"] for a, b in calls)
+        errors, answered = fmean(e["tool_errors"] for e in episodes), fmean(e["ending"] == "answered" for e in episodes)
         shown = f"step {step}: held-out accuracy {row['val/accuracy']:.1%}, episodes that call a tool {fmean(calling):.1%}"
-        assert shown in result.stdout
+        assert f"{shown}, tool errors per episode {errors:.2f}, episodes that answer {answered:.1%}" in result.stdout
         shares.append(row["val/env/tool_call_share"])
     assert shares[0] == 0 and shares[-1] > 0.5, shares  # the format took
     assert f"held-out accuracy: {validations[200]['val/accuracy']:.1%} at the last validation" in result.stdout  # Run.finish
