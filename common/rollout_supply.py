@@ -146,15 +146,13 @@ class RolloutSupply:
 
         args = self.args
         limits = EpisodeLimits(args.max_turns, args.max_prompt_length, args.max_response_length)
+        played = (engines, batch, env_calls, self.environments, self.tokenizer, self.eos_token_ids, limits, sampling)
+        repeat = dict(seed=seed, lockstep=args.deterministic)
         if args.agent:  # sessions of an agent program, served by an endpoint (common/agent_endpoint.py)
             from common.agent_endpoint import run_sessions
 
-            played = (engines, batch, env_calls, self.environments, self.tokenizer, self.eos_token_ids, limits, sampling)
-            return run_sessions(*played, seed=seed, agent_timeout=args.agent_timeout, lockstep=args.deterministic)
-        repeat = dict(seed=seed, lockstep=args.deterministic)
-        return run_episodes(
-            engines, batch, env_calls, self.environments, self.tokenizer, self.eos_token_ids, limits, sampling, **repeat
-        )
+            return run_sessions(*played, **repeat, agent_timeout=args.agent_timeout)
+        return run_episodes(*played, **repeat)
 
     def _player(self):
         """What plays a batch's episodes on the engines apart while the policy trains (--max-staleness with --env):
