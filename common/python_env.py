@@ -175,22 +175,8 @@ def launch(folder: str, limits: dict, parent: int) -> int:
     root = os.geteuid() == 0
     if os.getppid() != parent:
         return 137
-    processes = limits["processes"] + (0 if root else sandbox.processes_of(os.getuid()))
-    setup_error = os.open(os.path.join(folder, "setup_error"), os.O_WRONLY | os.O_CREAT, 0o600)
-    namespaces = sandbox.CLONE_NEWNS | sandbox.CLONE_NEWPID | sandbox.CLONE_NEWNET | (0 if root else sandbox.CLONE_NEWUSER)
-    namespaced = hasattr(libc, "unshare") and libc.unshare(namespaces) == 0
-    pid = os.fork()
-    if pid == 0:
-        try:
-            start_interpreter(libc, folder, limits, processes, root, namespaced)
-        except BaseException:
-            import traceback
-
-            os.write(setup_error, traceback.format_exc().encode())
-        finally:
-            os._exit(sandbox.SETUP_FAILED)
+    pid = sandbox.fork_confined(libc, folder, limits, root, start_interpreter)
     signal.signal(signal.SIGTERM, stop)
-    os.close(setup_error)
     os.close(0)
     os.close(1)
     return watch_parent(parent, pid, folder)

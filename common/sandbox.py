@@ -161,6 +161,23 @@ def launch(folder: str, limits: dict, parent: int) -> int:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # a killed reward process takes its program with it
         if os.getppid() != parent:
             return 137
+    pid = fork_confined(libc, folder, limits, root, start_program)
+    deadline = time.monotonic() + limits["wall_seconds"]
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return 124
+        time.sleep(0.005)
+
+
+def fork_confined(libc, folder: str, limits: dict, root: bool, start) -> int:
+    """Enter new namespaces where the kernel allows them and fork the child in which `start(libc, folder, limits,
+    processes, root, namespaced)` confines and execs the program: the child's process id. An error before the exec
+    is written to the folder's setup_error, and the child exits SETUP_FAILED."""
     # The bound on processes counts every process of the user: nobody's for root, the user's own otherwise (counted
     # here, before the program's /proc shows its own processes alone).
     processes = limits["processes"] + (0 if root else processes_of(os.getuid()))
@@ -173,22 +190,13 @@ def launch(folder: str, limits: dict, parent: int) -> int:
     pid = os.fork()  # in its own pid namespace: when it ends, every process it started ends too
     if pid == 0:
         try:
-            start_program(libc, folder, limits, processes, root, namespaced)
+            start(libc, folder, limits, processes, root, namespaced)
         except BaseException:
             os.write(setup_error, traceback.format_exc().encode())
         finally:
             os._exit(SETUP_FAILED)
     os.close(setup_error)
-    deadline = time.monotonic() + limits["wall_seconds"]
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return 124
-        time.sleep(0.005)
+    return pid
 
 
 def start_program(libc, folder: str, limits: dict, processes: int, root: bool, namespaced: bool) -> None:
